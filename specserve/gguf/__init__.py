@@ -1,0 +1,1 @@
+"""GGUF files: metadata, tensors (mmap + dequantize), tokenizer, chat template."""

@@ -1,0 +1,129 @@
+"""Open a GGUF file through the `gguf` package, with clear errors for bad files.
+
+Tensors stay memory-mapped until `load_tensor` dequantizes one to torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from specserve.errors import SpecserveError
+
+GGUF_MAGIC = b"GGUF"
+
+SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+}
+
+
+def _field_value(field: Any) -> Any:
+    """Plain Python value of a metadata field (str, int, float, bool or list of those)."""
+    types = field.types
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        if types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    value = field.parts[field.data[0]].tolist()[0]
+    return bool(value) if types[0] == GGUFValueType.BOOL else value
+
+
+class GGUFFile:
+    """Metadata as a dict and lazily dequantized tensors of one GGUF file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SpecserveError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise SpecserveError(f"{self.path} is not a GGUF file (bad magic {magic!r})")
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as exc:  # the gguf package raises assorted errors on damage
+            raise SpecserveError(f"{self.path} is a damaged or truncated GGUF file: {exc}") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            try:
+                self.metadata[key] = _field_value(field)
+            except Exception as exc:
+                raise SpecserveError(f"{self.path}: cannot read metadata key {key}: {exc}") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        file_size = self.path.stat().st_size
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > file_size:
+                raise SpecserveError(f"{self.path} is truncated: tensor {t.name} runs past the end of the file")
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise SpecserveError(f"{self.path}: missing general.architecture")
+        return arch
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return self._tensor(name).tensor_type
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Shape in torch order (GGUF lists dimensions fastest-first; we reverse them)."""
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+
+    def n_bytes(self, name: str) -> int:
+        return int(self._tensor(name).n_bytes)
+
+    def raw_tensor(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (memory-mapped), for kernels that read quantized data."""
+        return self._tensor(name).data
+
+    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+        """Dequantize one tensor to `dtype` on `device`, in torch dimension order."""
+        t = self._tensor(name)
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise SpecserveError(f"{self.path}: tensor {name} has unsupported type {t.tensor_type.name}")
+        try:
+            if t.tensor_type == GGMLQuantizationType.F32:
+                array = np.asarray(t.data, dtype=np.float32)
+            elif t.tensor_type == GGMLQuantizationType.F16:
+                array = np.asarray(t.data, dtype=np.float16)
+            elif t.tensor_type == GGMLQuantizationType.BF16:
+                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16))
+                return raw.view(torch.bfloat16).reshape(self.tensor_shape(name)).to(device=device, dtype=dtype)
+            else:
+                array = dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
+        tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(self.tensor_shape(name))
+        return tensor.to(device=device, dtype=dtype)
+
+    def _tensor(self, name: str) -> Any:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise SpecserveError(f"{self.path}: missing tensor {name}") from None

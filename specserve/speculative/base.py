@@ -1,0 +1,173 @@
+"""The Speculator interface, its parameters and its statistics."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields, replace
+
+from specserve.errors import SpecserveError
+
+SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+# Types selectable with --spec-type / speculative.type ("draft" follows from a draft model).
+SELECTABLE_TYPES = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-map-k4v")
+
+
+@dataclass
+class SpecParams:
+    """Speculative-decoding options; names follow llama.cpp's common_params_speculative."""
+
+    type: str = "none"
+    n_max: int = 16  # --draft-max
+    n_min: int = 0  # --draft-min
+    p_min: float = 0.75  # --draft-p-min
+    ngram_size_n: int = 12
+    ngram_size_m: int = 48
+    ngram_check_rate: int = 1
+    ngram_min_hits: int = 1
+    lookup_cache_static: str | None = None
+    lookup_cache_dynamic: str | None = None
+
+    def validate(self) -> SpecParams:
+        """Raise SpecserveError naming the first out-of-range option; return self."""
+        if self.type not in SELECTABLE_TYPES:
+            raise SpecserveError(
+                f"unknown speculative type '{self.type}' (expected one of: {', '.join(SELECTABLE_TYPES)})"
+            )
+        for name, lo, hi in (
+            ("ngram_size_n", 1, 1024),
+            ("ngram_size_m", 1, 1024),
+            ("ngram_check_rate", 1, None),
+            ("ngram_min_hits", 1, None),
+            ("n_max", 0, None),
+            ("n_min", 0, None),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecserveError(f"speculative {name} must be an integer, got {value!r}")
+            if value < lo or (hi is not None and value > hi):
+                bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise SpecserveError(f"speculative {name} = {value} is out of range {bound}")
+        if self.n_min > self.n_max:
+            raise SpecserveError(f"speculative n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
+        if isinstance(self.p_min, bool) or not isinstance(self.p_min, int | float) or not 0.0 <= self.p_min <= 1.0:
+            raise SpecserveError(f"speculative p_min = {self.p_min!r} is out of range [0, 1]")
+        return self
+
+    def with_overrides(self, **overrides: object) -> SpecParams:
+        """A validated copy with some fields replaced (per-request `speculative.*`)."""
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise SpecserveError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
+        return replace(self, **overrides).validate()
+
+
+@dataclass
+class SpecStats:
+    """Counters printed as llama.cpp's `statistics <type>: ...` line."""
+
+    calls: int = 0  # draft() calls
+    gen_drafts: int = 0  # non-empty drafts
+    acc_drafts: int = 0  # drafts with at least one accepted token
+    gen_tokens: int = 0  # drafted tokens
+    acc_tokens: int = 0  # accepted tokens
+
+    def line(self, name: str) -> str:
+        return (
+            f"statistics {name}: #calls = {self.calls}, #gen drafts = {self.gen_drafts}, "
+            f"#acc drafts = {self.acc_drafts}, #gen tokens = {self.gen_tokens}, #acc tokens = {self.acc_tokens}"
+        )
+
+
+def acceptance_line(accepted: int, generated: int) -> str:
+    rate = accepted / generated if generated else 0.0
+    return f"draft acceptance rate = {rate:.5f} ({accepted:5d} accepted / {generated:5d} generated)"
+
+
+class Speculator(ABC):
+    """Proposes draft tokens for one sequence; told afterwards how many were accepted.
+
+    Lifecycle per generation: begin(prompt) once, then repeatedly draft(...) / accept(n),
+    then end(). `history` passed to draft() is every token already in the target's KV cache
+    (prompt + accepted generated tokens); `last_sampled` is the newest token, not yet
+    evaluated by the target. Subclasses implement `_propose` (and optionally `_accepted`);
+    the public methods keep the statistics.
+    """
+
+    name: str = "base"  # statistics label, e.g. "ngram_simple"
+
+    def __init__(self) -> None:
+        self.stats = SpecStats()
+
+    def begin(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
+        """Called once after the prompt is evaluated."""
+
+    def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
+        """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""
+        self.stats.calls += 1
+        tokens = self._propose(history, last_sampled, n_max)[:n_max] if n_max > 0 else []
+        if len(tokens) < max(n_min, 1):
+            return []
+        self.stats.gen_drafts += 1
+        self.stats.gen_tokens += len(tokens)
+        return tokens
+
+    def accept(self, n_accepted: int) -> None:
+        """How many tokens of the last non-empty draft the target accepted."""
+        if n_accepted > 0:
+            self.stats.acc_drafts += 1
+            self.stats.acc_tokens += n_accepted
+        self._accepted(n_accepted)
+
+    def end(self) -> None:  # noqa: B027 - optional hook
+        """The generation is over (e.g. save a dynamic cache)."""
+
+    @abstractmethod
+    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
+        """The type's drafting rule; may return more than n_max (the caller trims)."""
+
+    def _accepted(self, n_accepted: int) -> None:  # noqa: B027 - optional hook
+        """Type-specific feedback (e.g. ngram-map's accepted-count memory)."""
+
+
+class Chain:
+    """Tries its members in order; the first non-empty draft wins (draft-free types first).
+
+    Each member keeps its own statistics; `accept` goes to the member whose draft it was.
+    """
+
+    def __init__(self, members: list[Speculator]):
+        self.members = members
+        self._last: Speculator | None = None
+
+    def begin(self, prompt: list[int]) -> None:
+        for m in self.members:
+            m.begin(prompt)
+
+    def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
+        self._last = None
+        for m in self.members:
+            tokens = m.draft(history, last_sampled, n_max, n_min)
+            if tokens:
+                self._last = m
+                return tokens
+        return []
+
+    def accept(self, n_accepted: int) -> None:
+        if self._last is not None:
+            self._last.accept(n_accepted)
+
+    def end(self) -> None:
+        for m in self.members:
+            m.end()
+
+    def totals(self) -> SpecStats:
+        total = SpecStats()
+        for m in self.members:
+            for f in fields(SpecStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(m.stats, f.name))
+        return total
+
+    def stat_lines(self) -> list[str]:
+        t = self.totals()
+        return [acceptance_line(t.acc_tokens, t.gen_tokens)] + [m.stats.line(m.name) for m in self.members]
