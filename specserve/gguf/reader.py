@@ -113,13 +113,16 @@ class GGUFFile:
             elif t.tensor_type == GGMLQuantizationType.F16:
                 array = np.asarray(t.data, dtype=np.float16)
             elif t.tensor_type == GGMLQuantizationType.BF16:
-                raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.int16))
+                raw = torch.from_numpy(np.array(t.data, copy=True).view(np.int16))
                 return raw.view(torch.bfloat16).reshape(self.tensor_shape(name)).to(device=device, dtype=dtype)
             else:
                 array = dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
-        tensor = torch.from_numpy(np.ascontiguousarray(array)).reshape(self.tensor_shape(name))
+        array = np.ascontiguousarray(array)
+        if not array.flags.writeable:  # memory-mapped input: torch wants its own copy
+            array = array.copy()
+        tensor = torch.from_numpy(array).reshape(self.tensor_shape(name))
         return tensor.to(device=device, dtype=dtype)
 
     def _tensor(self, name: str) -> Any:

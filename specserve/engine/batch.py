@@ -1,0 +1,48 @@
+"""Batch: the tokens of one forward pass, possibly from several sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Batch:
+    """Rows of one forward pass. Rows of one sequence must be consecutive in the batch.
+
+    tokens[i] is evaluated at positions[i] of sequence seq_ids[i]; logits are returned for
+    the rows where want_logits[i] is true, in row order.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    want_logits: list[bool] = field(default_factory=list)
+
+    def add(self, token: int, position: int, seq: int, logits: bool = False) -> None:
+        self.tokens.append(token)
+        self.positions.append(position)
+        self.seq_ids.append(seq)
+        self.want_logits.append(logits)
+
+    def add_sequence(self, tokens: list[int], start_pos: int, seq: int, logits: str = "last") -> None:
+        """Append consecutive tokens of one sequence; logits for "last", "all" or "none" rows."""
+        for i, tok in enumerate(tokens):
+            want = logits == "all" or (logits == "last" and i == len(tokens) - 1)
+            self.add(tok, start_pos + i, seq, want)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """(seq, start_row, end_row, kv_len) per block of consecutive rows of one sequence."""
+        out: list[tuple[int, int, int, int]] = []
+        start = 0
+        n = len(self.tokens)
+        for i in range(1, n + 1):
+            if i == n or self.seq_ids[i] != self.seq_ids[start]:
+                out.append((self.seq_ids[start], start, i, max(self.positions[start:i]) + 1))
+                start = i
+        return out
+
+    def logit_rows(self) -> list[int]:
+        return [i for i, want in enumerate(self.want_logits) if want]

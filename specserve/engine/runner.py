@@ -1,0 +1,109 @@
+"""LocalRunner: a model plus its KV cache on one torch device, driven by Batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specserve.engine.batch import Batch
+from specserve.errors import SpecserveError
+from specserve.gguf.reader import GGUFFile
+from specserve.model.config import ModelConfig
+from specserve.model.transformer import Transformer
+from specserve.model.weights import load_weights
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (tensor cores, half the bytes), fp32 on CPU (exact reference match)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class LocalRunner:
+    """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_seqs: int = 1,
+        n_ctx: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        progress: bool = True,
+    ):
+        self.gguf = GGUFFile(model_path)
+        self.config = ModelConfig.from_gguf(self.gguf.metadata, set(self.gguf.tensor_names()))
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = dtype or default_dtype(self.device)
+        self.n_ctx = int(n_ctx or min(self.config.context_length, 4096))
+        if self.n_ctx < 1 or n_seqs < 1:
+            raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
+        self.n_seqs = n_seqs
+        self.weights = load_weights(self.gguf, self.config, self.dtype, self.device, progress)
+        self.model = Transformer(self.config, self.weights, self.n_ctx)
+        cfg = self.config
+        self.kv = torch.zeros(
+            (cfg.n_layers, 2, n_seqs, cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        self.seq_len = [0] * n_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
+        self._check(batch)
+        dev = self.device
+        tokens = torch.tensor(batch.tokens, dtype=torch.long).to(dev, non_blocking=True)
+        positions = torch.tensor(batch.positions, dtype=torch.long).to(dev, non_blocking=True)
+        seq_ids = torch.tensor(batch.seq_ids, dtype=torch.long).to(dev, non_blocking=True)
+        rows = torch.tensor(batch.logit_rows(), dtype=torch.long).to(dev, non_blocking=True)
+        runs = batch.runs()
+        with torch.inference_mode():
+            logits = self.model.forward(tokens, positions, seq_ids, rows, runs, self.kv)
+        # Writing at position p makes p the sequence's end: later entries are stale.
+        for seq, _start, _end, kv_len in runs:
+            self.seq_len[seq] = kv_len
+        return logits
+
+    def _check(self, batch: Batch) -> None:
+        if len(batch) == 0:
+            raise SpecserveError("empty batch")
+        seen: set[int] = set()
+        for seq, start, end, kv_len in batch.runs():
+            if not 0 <= seq < self.n_seqs:
+                raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
+            if seq in seen:
+                raise SpecserveError(f"rows of sequence {seq} are not consecutive in the batch")
+            seen.add(seq)
+            pos = batch.positions[start:end]
+            if pos[0] > self.seq_len[seq] or pos != list(range(pos[0], pos[0] + len(pos))):
+                raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
+            if kv_len > self.n_ctx:
+                raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
+        bad = [t for t in batch.tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise SpecserveError(f"token id {bad[0]} out of range (vocabulary size {self.config.vocab_size})")
+
+    def kv_truncate(self, seq: int, n_keep: int) -> None:
+        """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
+        if not 0 <= n_keep <= self.seq_len[seq]:
+            raise SpecserveError(f"cannot truncate sequence {seq} of length {self.seq_len[seq]} to {n_keep}")
+        self.seq_len[seq] = n_keep
+
+    def kv_copy(self, src: int, dst: int) -> None:
+        """Make dst's cache a copy of src's (shared prompt prefixes)."""
+        n = self.seq_len[src]
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.seq_len[dst] = n
+
+    def memory_info(self) -> dict[str, int]:
+        kv_bytes = self.kv.numel() * self.kv.element_size()
+        return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": kv_bytes}

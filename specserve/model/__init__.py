@@ -1,0 +1,1 @@
+"""Model definition: ModelConfig from GGUF metadata, weights per architecture, the transformer."""

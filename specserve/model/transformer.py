@@ -1,0 +1,65 @@
+"""The decoder-only transformer (llama / qwen2 / qwen3) over a slot-major KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels.activation import silu_mul
+from specserve.kernels.attention import attention
+from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from specserve.kernels.rope import apply_rope, rope_cos_sin
+from specserve.model.config import ModelConfig
+from specserve.model.weights import ModelWeights
+
+
+class Transformer:
+    """Stateless forward over given weights; the KV cache is passed in by the runner."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_positions: int):
+        self.config = config
+        self.weights = weights
+        device = weights.embed.device
+        self.cos, self.sin = rope_cos_sin(config.rope_dim, config.rope_base, max_positions,
+                                          config.rope_scale, device)
+        self.scale = config.head_dim ** -0.5
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        logit_rows: torch.Tensor,
+        runs: list[tuple[int, int, int, int]],
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states of `tokens` -> fp32 logits of `logit_rows`; writes K/V into `kv`.
+
+        kv: [n_layers, 2, n_seqs, n_kv_heads, ctx, head_dim]. `runs` comes from Batch.runs().
+        """
+        cfg = self.config
+        w = self.weights
+        n = tokens.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = F.embedding(tokens, w.embed)
+        residual = torch.zeros_like(x)
+        for layer_idx, lw in enumerate(w.layers):
+            h, residual = add_rms_norm(x, residual, lw.attn_norm, cfg.rms_eps)
+            qkv = F.linear(h, lw.wqkv, lw.bqkv)
+            q = qkv[:, : cfg.q_size].view(n, cfg.n_heads, cfg.head_dim)
+            k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(n, cfg.n_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.n_kv_heads, cfg.head_dim)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, cfg.rms_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+            q = apply_rope(q, cos, sin, cfg.rope_style)
+            k = apply_rope(k, cos, sin, cfg.rope_style)
+            k_cache, v_cache = kv[layer_idx, 0], kv[layer_idx, 1]
+            k_cache[seq_ids, :, positions] = k
+            v_cache[seq_ids, :, positions] = v
+            attn = attention(q, k_cache, v_cache, positions, runs, self.scale)
+            x = F.linear(attn.view(n, cfg.q_size), lw.wo)
+            h, residual = add_rms_norm(x, residual, lw.ffn_norm, cfg.rms_eps)
+            x = F.linear(silu_mul(F.linear(h, lw.w_gate_up)), lw.w_down)
+        rows = (x + residual)[logit_rows]
+        return F.linear(rms_norm(rows, w.out_norm, cfg.rms_eps), w.output).float()
