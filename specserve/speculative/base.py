@@ -98,6 +98,7 @@ class Speculator(ABC):
 
     def __init__(self) -> None:
         self.stats = SpecStats()
+        self._draft_pending = False  # a non-empty draft awaits its accept()
 
     def begin(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once after the prompt is evaluated."""
@@ -105,15 +106,24 @@ class Speculator(ABC):
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""
         self.stats.calls += 1
+        self._draft_pending = False
         tokens = self._propose(history, last_sampled, n_max)[:n_max] if n_max > 0 else []
         if len(tokens) < max(n_min, 1):
             return []
+        self._draft_pending = True
         self.stats.gen_drafts += 1
         self.stats.gen_tokens += len(tokens)
         return tokens
 
     def accept(self, n_accepted: int) -> None:
-        """How many tokens of the last non-empty draft the target accepted."""
+        """How many tokens of the last non-empty draft the target accepted.
+
+        Ignored when the last draft() returned nothing: feedback about a draft that was never
+        verified (e.g. dropped for being shorter than n_min) must not reach `_accepted`.
+        """
+        if not self._draft_pending:
+            return
+        self._draft_pending = False
         if n_accepted > 0:
             self.stats.acc_drafts += 1
             self.stats.acc_tokens += n_accepted
