@@ -1,8 +1,10 @@
-"""Rotary position embedding, in the two layouts GGUF models use."""
+"""Rotary position embedding (both GGUF layouts), fused with the KV-cache write."""
 
 from __future__ import annotations
 
 import torch
+
+from specserve.kernels.dispatch import triton_enabled
 
 
 def rope_cos_sin(rope_dim: int, base: float, max_pos: int, scale: float = 1.0,
@@ -35,3 +37,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     if rope_dim == x.shape[-1]:
         return rotated.to(x.dtype)
     return torch.cat((rotated.to(x.dtype), x[..., rope_dim:]), dim=-1)
+
+
+def rope_and_cache_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+) -> torch.Tensor:
+    """Rotate q and k [tokens, heads, dim], store k and v at (seq, :, pos) of the caches; return rotated q.
+
+    Caches are [n_seqs, n_kv_heads, ctx, head_dim] (one layer).
+    """
+    cos, sin = cos_table[positions], sin_table[positions]
+    k_cache[seq_ids, :, positions] = apply_rope(k, cos, sin, style)
+    v_cache[seq_ids, :, positions] = v
+    return apply_rope(q, cos, sin, style)
+
+
+def rope_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+) -> torch.Tensor:
+    if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1]:
+        from specserve.kernels import rope_triton
+
+        return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids,
+                                          k_cache, v_cache, style)
+    return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from specserve.kernels.activation import silu_mul
 from specserve.kernels.attention import attention
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
-from specserve.kernels.rope import apply_rope, rope_cos_sin
+from specserve.kernels.rope import rope_and_cache, rope_cos_sin
 from specserve.model.config import ModelConfig
 from specserve.model.weights import ModelWeights
 
@@ -40,7 +40,6 @@ class Transformer:
         cfg = self.config
         w = self.weights
         n = tokens.shape[0]
-        cos, sin = self.cos[positions], self.sin[positions]
         x = F.embedding(tokens, w.embed)
         residual = torch.zeros_like(x)
         for layer_idx, lw in enumerate(w.layers):
@@ -52,12 +51,9 @@ class Transformer:
             if lw.q_norm is not None:
                 q = rms_norm(q, lw.q_norm, cfg.rms_eps)
                 k = rms_norm(k, lw.k_norm, cfg.rms_eps)
-            q = apply_rope(q, cos, sin, cfg.rope_style)
-            k = apply_rope(k, cos, sin, cfg.rope_style)
             k_cache, v_cache = kv[layer_idx, 0], kv[layer_idx, 1]
-            k_cache[seq_ids, :, positions] = k
-            v_cache[seq_ids, :, positions] = v
-            attn = attention(q, k_cache, v_cache, positions, runs, self.scale)
+            q = rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, cfg.rope_style)
+            attn = attention(q, k_cache, v_cache, positions, seq_ids, runs, self.scale)
             x = F.linear(attn.view(n, cfg.q_size), lw.wo)
             h, residual = add_rms_norm(x, residual, lw.ffn_norm, cfg.rms_eps)
             x = F.linear(silu_mul(F.linear(h, lw.w_gate_up)), lw.w_down)

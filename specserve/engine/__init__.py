@@ -1,0 +1,1 @@
+"""Engine: batches, KV cache, runner, sampling, generation loop, slot scheduler."""

@@ -1,0 +1,153 @@
+"""Generation for one sequence: prompt in chunks, then decode steps, speculative or not.
+
+A speculative step evaluates `[last sampled] + draft` in one forward pass, lets the
+sampler walk the draft (`sample_and_verify`), keeps the accepted prefix and drops the
+KV entries of the rejected positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specserve.engine.batch import Batch
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import Sampler
+from specserve.errors import SpecserveError
+
+
+class DraftSource(Protocol):
+    """What generation needs of a speculator (a Speculator or a Chain)."""
+
+    def begin(self, prompt: list[int]) -> None: ...
+    def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]: ...
+    def accept(self, n_accepted: int) -> None: ...
+    def end(self) -> None: ...
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated: int = 0
+    decode_seconds: float = 0.0
+    target_forwards: int = 0  # forward passes of the target while decoding
+    draft_tokens: int = 0  # drafted tokens sent to verification
+    draft_accepted: int = 0
+    stop_reason: str = "length"  # "length", "eog", "context"
+    tokens: list[int] = field(default_factory=list)
+
+    def timing_lines(self) -> list[str]:
+        def line(label: str, seconds: float, n: int) -> str:
+            ms = seconds * 1000
+            per = ms / n if n else 0.0
+            rate = n / seconds if seconds > 0 else 0.0
+            return (f"{label} = {ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, "
+                    f"{rate:8.2f} tokens per second)")
+
+        return [line("prompt eval time", self.prompt_seconds, self.prompt_tokens),
+                line("       eval time", self.decode_seconds, self.generated)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(runner: LocalRunner, seq: int, tokens: list[int], n_batch: int, start: int = 0) -> torch.Tensor:
+    """Evaluate tokens[start:] (positions start..) in chunks; logits of the last token."""
+    if not tokens[start:]:
+        raise SpecserveError("nothing to evaluate: the prompt is empty")
+    logits = None
+    for chunk_start in range(start, len(tokens), n_batch):
+        chunk = tokens[chunk_start:chunk_start + n_batch]
+        batch = Batch()
+        last = chunk_start + len(chunk) == len(tokens)
+        batch.add_sequence(chunk, chunk_start, seq, "last" if last else "none")
+        if last:
+            logits = runner.forward(batch)[0]
+        else:
+            runner.forward(batch)
+    assert logits is not None
+    return logits
+
+
+def generate(
+    runner: LocalRunner,
+    prompt: list[int],
+    n_predict: int,
+    sampler: Sampler,
+    *,
+    is_eog: callable = lambda token: False,  # type: ignore[valid-type]
+    speculator: DraftSource | None = None,
+    n_draft_max: int = 16,
+    n_draft_min: int = 0,
+    seq: int = 0,
+    n_batch: int = 512,
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield up to n_predict generated tokens (an end-of-generation token ends it, included).
+
+    Greedy output is identical with or without a speculator.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    if len(prompt) >= runner.n_ctx:
+        raise SpecserveError(f"the prompt ({len(prompt)} tokens) does not fit the context ({runner.n_ctx})")
+    device = runner.device
+    runner.kv_truncate(seq, 0)
+    t0 = time.perf_counter()
+    logits = prefill(runner, seq, prompt, n_batch)
+    sampler.reset(prompt)
+    token = sampler.sample(logits)
+    _sync(device)
+    stats.prompt_tokens = len(prompt)
+    stats.prompt_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    history = list(prompt)  # tokens in the KV cache; `token` is sampled but not yet evaluated
+    if speculator is not None:
+        speculator.begin(prompt)
+    try:
+        pending = [token]
+        while True:
+            for tok in pending:
+                stats.tokens.append(tok)
+                stats.generated += 1
+                yield tok
+                if is_eog(tok):
+                    stats.stop_reason = "eog"
+                    return
+                if stats.generated >= n_predict:
+                    stats.stop_reason = "length"
+                    return
+            token = pending[-1]
+            history.extend(pending[:-1])
+            room = runner.n_ctx - len(history) - 1  # positions left after `token`
+            if room < 0:
+                stats.stop_reason = "context"
+                return
+            draft: list[int] = []
+            if speculator is not None:
+                limit = min(n_draft_max, n_predict - stats.generated - 1, room)
+                if limit > 0:
+                    draft = speculator.draft(history, token, limit, n_draft_min)
+            batch = Batch()
+            batch.add_sequence([token, *draft], len(history), seq, "all")
+            logits = runner.forward(batch)
+            stats.target_forwards += 1
+            pending = sampler.sample_and_verify(logits, draft) if draft else [sampler.sample(logits[0])]
+            history.append(token)
+            if draft:
+                n_acc = len(pending) - 1
+                speculator.accept(n_acc)  # type: ignore[union-attr]
+                stats.draft_tokens += len(draft)
+                stats.draft_accepted += n_acc
+                runner.kv_truncate(seq, len(history) + n_acc)
+    finally:
+        _sync(device)
+        stats.decode_seconds = time.perf_counter() - t0
+        if speculator is not None:
+            speculator.end()

@@ -1,0 +1,106 @@
+"""Triton attention over the slot-major KV cache, flash-decoding style.
+
+Every query row carries its own (sequence, position), so one launch serves any mix of
+decode rows and multi-token verify rows of many sequences, and the launch shape depends
+only on the row count: CUDA graphs can capture it. The context is cut into fixed splits;
+one program handles one (row, kv head, split) for all query heads of that kv head (GQA),
+and a second kernel merges the splits by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT = 256  # context positions per program
+BLOCK_N = 64  # keys per inner step
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, scale,
+                       stride_q_tok, stride_q_head, stride_c_seq, stride_c_head, stride_c_pos,
+                       N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(pos_ptr + row)
+    start = split * SPLIT_LEN
+    if start <= pos:
+        seq = tl.load(seq_ptr + row)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + g
+        g_mask = g < GROUP
+        q = tl.load(q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                    mask=g_mask[:, None], other=0.0)
+        base = seq * stride_c_seq + kv_head * stride_c_head
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        # A fixed trip count (masked past the row's position) keeps the loop shape static.
+        for i in range(0, SPLIT_LEN // BLOCK):
+            n = start + i * BLOCK + tl.arange(0, BLOCK)
+            n_mask = n <= pos
+            offs = base + n[:, None] * stride_c_pos + d[None, :]
+            k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        mid = (row * N_HEADS + heads) * N_SPLITS + split
+        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=g_mask[:, None])
+        tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=g_mask)
+
+
+@triton.jit
+def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.constexpr,
+                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    n_valid = tl.load(pos_ptr + row) // SPLIT_LEN + 1
+    d = tl.arange(0, HEAD_DIM)
+    base = (row * N_HEADS + head) * N_SPLITS
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for i in range(0, N_SPLITS):  # splits past the row's position were never written
+        valid = i < n_valid
+        lse = tl.load(mid_lse_ptr + base + i + tl.zeros([1], tl.int32), mask=valid, other=float("-inf"))
+        o = tl.load(mid_o_ptr + (base + i) * HEAD_DIM + d, mask=valid, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * scale_old + o * w
+        total = total * scale_old + w
+        m = m_new
+    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+              seq_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, H, D]; caches [n_seqs, Hkv, ctx, D] (one layer) -> out [N, H, D]."""
+    n_rows, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    n_splits = triton.cdiv(k_cache.shape[2], SPLIT)
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    _attn_split_kernel[(n_rows, n_kv, n_splits)](
+        q, k_cache, v_cache, seq_ids, positions, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
+    )
+    _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
+                                           N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=SPLIT, num_warps=1)
+    return out

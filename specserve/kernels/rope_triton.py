@@ -1,0 +1,67 @@
+"""Triton RoPE fused with the KV-cache write: one program per (token, head).
+
+Query heads are rotated into a new tensor; key heads are rotated and value heads copied
+straight into the slot-major cache, so K and V make one trip through memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, seq_ptr, q_out_ptr, kc_ptr, vc_ptr,
+                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                       stride_c_seq, stride_c_head, stride_c_pos,
+                       N_HEADS: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok)
+    i = tl.arange(0, HALF)
+    if NEOX:
+        idx1 = i
+        idx2 = i + HALF
+    else:
+        idx1 = 2 * i
+        idx2 = 2 * i + 1
+    c = tl.load(cos_ptr + pos * HALF + i)
+    s = tl.load(sin_ptr + pos * HALF + i)
+    if head < N_HEADS:
+        base = q_ptr + tok * stride_q_tok + head * stride_q_head
+        x1 = tl.load(base + idx1).to(tl.float32)
+        x2 = tl.load(base + idx2).to(tl.float32)
+        out = q_out_ptr + (tok * N_HEADS + head) * (2 * HALF)
+        tl.store(out + idx1, (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty))
+        tl.store(out + idx2, (x2 * c + x1 * s).to(q_out_ptr.dtype.element_ty))
+    else:
+        kv_head = head - N_HEADS
+        seq = tl.load(seq_ptr + tok)
+        dst = seq * stride_c_seq + kv_head * stride_c_head + pos * stride_c_pos
+        base = k_ptr + tok * stride_k_tok + kv_head * stride_k_head
+        x1 = tl.load(base + idx1).to(tl.float32)
+        x2 = tl.load(base + idx2).to(tl.float32)
+        tl.store(kc_ptr + dst + idx1, (x1 * c - x2 * s).to(kc_ptr.dtype.element_ty))
+        tl.store(kc_ptr + dst + idx2, (x2 * c + x1 * s).to(kc_ptr.dtype.element_ty))
+        vbase = v_ptr + tok * stride_v_tok + kv_head * stride_v_head
+        tl.store(vc_ptr + dst + idx1, tl.load(vbase + idx1))
+        tl.store(vc_ptr + dst + idx2, tl.load(vbase + idx2))
+
+
+def rope_and_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+) -> torch.Tensor:
+    n_tok, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.stride() == v_cache.stride()
+    q_out = torch.empty((n_tok, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    _rope_cache_kernel[(n_tok, n_heads + n_kv)](
+        q, k, v, cos_table, sin_table, positions, seq_ids, q_out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, HALF=head_dim // 2, NEOX=style == "neox", num_warps=1,
+    )
+    return q_out

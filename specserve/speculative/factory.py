@@ -1,0 +1,24 @@
+"""Build the speculator chain for one sequence from SpecParams."""
+
+from __future__ import annotations
+
+from specserve.engine.runner import LocalRunner
+from specserve.speculative.base import Chain, SpecParams, Speculator
+from specserve.speculative.draft_model import DraftModelSpeculator
+from specserve.speculative.ngram_cache import NgramCacheSpeculator
+from specserve.speculative.ngram_map import NgramMap
+from specserve.speculative.ngram_simple import NgramSimple
+
+
+def build_chain(params: SpecParams, draft_runner: LocalRunner | None = None, seq: int = 0) -> Chain | None:
+    """Draft-free type first, then the draft model; None when neither is configured."""
+    members: list[Speculator] = []
+    if params.type == "ngram-simple":
+        members.append(NgramSimple(params))
+    elif params.type in ("ngram-map-k", "ngram-map-k4v"):
+        members.append(NgramMap(params, key_only=params.type == "ngram-map-k"))
+    elif params.type == "ngram-cache":
+        members.append(NgramCacheSpeculator(params))
+    if draft_runner is not None:
+        members.append(DraftModelSpeculator(draft_runner, params.p_min, seq))
+    return Chain(members) if members else None

@@ -1,0 +1,38 @@
+"""Shared fixtures: catalog models, our runner and the HF transformers reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import catalog
+
+
+def model_path(name: str) -> Path:
+    return catalog.pull(name)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_runner(smollm_path: Path):
+    from specserve.engine.runner import LocalRunner
+
+    return LocalRunner(smollm_path, n_seqs=4, n_ctx=1024, device="cpu", progress=False)
+
+
+def load_hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_hf(smollm_path: Path):
+    return load_hf_model(smollm_path)

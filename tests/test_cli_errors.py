@@ -1,0 +1,60 @@
+"""Bad input on the command line: a clear message, a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specserve.errors import SpecserveError
+from specserve.gguf.reader import GGUFFile
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specserve.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") or "usage:" in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_non_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_text("this is not a model\n")
+    assert_clean_error(run_cli("generate", "-m", str(bogus), "-p", "hi", "-n", "1"), "not a GGUF file")
+
+
+@pytest.mark.parametrize("keep_bytes", [2_000, 3_000_000, 50_000_000])
+def test_truncated_gguf(smollm_path: Path, tmp_path: Path, keep_bytes: int) -> None:
+    cut = tmp_path / "cut.gguf"
+    with open(smollm_path, "rb") as src:
+        cut.write_bytes(src.read(keep_bytes))
+    with pytest.raises(SpecserveError, match="truncated|damaged"):
+        GGUFFile(cut)
+    assert_clean_error(run_cli("generate", "-m", str(cut), "-p", "hi", "-n", "1"), str(cut))
+
+
+def test_unknown_model_name() -> None:
+    assert_clean_error(run_cli("generate", "-m", "llama-9000", "-p", "hi"), "unknown model 'llama-9000'")
+    assert_clean_error(run_cli("models", "pull", "llama-9000"), "unknown model")
+
+
+def test_bad_flags(smollm_path: Path) -> None:
+    assert_clean_error(run_cli("generate", "-p", "hi", "--spec-type", "magic"), "unknown speculative type")
+    assert_clean_error(run_cli("generate", "-p", "hi", "--spec-ngram-size-n", "0"), "ngram_size_n")
+    assert_clean_error(run_cli("generate", "-p", "hi", "--top-p", "7"), "top_p")
+
+
+def test_models_list_and_path(smollm_path: Path) -> None:
+    listed = run_cli("models", "list")
+    assert listed.returncode == 0
+    assert "smollm2-135m" in listed.stdout and "qwen2.5-coder-1.5b" in listed.stdout
+    path = run_cli("models", "path", "smollm2-135m")
+    assert path.returncode == 0 and path.stdout.strip() == str(smollm_path)

@@ -1,0 +1,84 @@
+"""Batched multi-sequence forward and KV-cache editing give the logits of the plain path."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.batch import Batch
+from specserve.engine.generate import prefill
+
+SEQS = [
+    [1, 504, 3458, 314, 4234, 28, 9175, 30],
+    [1, 2193, 253, 655, 28],
+    [1, 17, 28, 198, 1209, 6012, 1008, 442, 253, 1616, 3112, 30],
+]
+
+
+def alone(runner, tokens: list[int]) -> torch.Tensor:
+    runner.kv_truncate(0, 0)
+    batch = Batch()
+    batch.add_sequence(tokens, 0, 0, "all")
+    return runner.forward(batch)
+
+
+def test_batched_sequences_match_single(smollm_runner) -> None:
+    refs = [alone(smollm_runner, s) for s in SEQS]
+    batch = Batch()
+    for seq, tokens in enumerate(SEQS):
+        smollm_runner.kv_truncate(seq, 0)
+        batch.add_sequence(tokens, 0, seq, "all")
+    logits = smollm_runner.forward(batch)
+    offset = 0
+    for tokens, ref in zip(SEQS, refs, strict=True):
+        got = logits[offset:offset + len(tokens)]
+        offset += len(tokens)
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (got - ref).abs().max()
+
+
+def test_mixed_prefill_and_decode_rows(smollm_runner) -> None:
+    """One sequence decoding while another reads its prompt, in one forward."""
+    a, b = SEQS[0], SEQS[2]
+    ref_a = alone(smollm_runner, a)[-1]
+    ref_b = alone(smollm_runner, b)[-1]
+    smollm_runner.kv_truncate(1, 0)
+    prefill(smollm_runner, 1, a[:-1], n_batch=64)
+    smollm_runner.kv_truncate(2, 0)
+    batch = Batch()
+    batch.add(a[-1], len(a) - 1, 1, logits=True)
+    batch.add_sequence(b, 0, 2, "last")
+    logits = smollm_runner.forward(batch)
+    assert torch.allclose(logits[0], ref_a, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(logits[1], ref_b, rtol=1e-4, atol=1e-4)
+
+
+def test_truncate_and_reevaluate(smollm_runner) -> None:
+    tokens = SEQS[2]
+    ref = alone(smollm_runner, tokens)
+    for k in (1, 3, 5):
+        smollm_runner.kv_truncate(0, len(tokens) - k)
+        batch = Batch()
+        batch.add_sequence(tokens[-k:], len(tokens) - k, 0, "all")
+        again = smollm_runner.forward(batch)
+        assert torch.allclose(again, ref[-k:], rtol=1e-4, atol=1e-4)
+
+
+def test_truncate_then_different_tokens_forgets_old_ones(smollm_runner) -> None:
+    """Rejected draft positions leave no trace: overwrite with other tokens, compare."""
+    base = SEQS[0]
+    alone(smollm_runner, base + [555, 666, 777])
+    smollm_runner.kv_truncate(0, len(base))
+    batch = Batch()
+    batch.add_sequence([888, 999], len(base), 0, "all")
+    got = smollm_runner.forward(batch)
+    ref = alone(smollm_runner, base + [888, 999])[-2:]
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_copy(smollm_runner) -> None:
+    tokens = SEQS[1]
+    ref = alone(smollm_runner, tokens + [42])[-1]
+    smollm_runner.kv_truncate(0, len(tokens))
+    smollm_runner.kv_copy(0, 3)
+    batch = Batch()
+    batch.add(42, len(tokens), 3, logits=True)
+    assert torch.allclose(smollm_runner.forward(batch)[0], ref, rtol=1e-4, atol=1e-4)
