@@ -5,13 +5,23 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.errors import SpecserveError
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: intra-op threads only add OpenMP hand-offs (milliseconds each on a busy shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # Chain stages switched off, so one stage at a time can be checked.
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
