@@ -248,7 +248,7 @@ def biased_verify(s: Sampler, rows: torch.Tensor, draft: list[int], eps: float, 
 
 
 def test_verify_matches_plain_sampling_distribution() -> None:
-    vocab, n = 8, 1500
+    vocab, n = 8, 1000
     rows = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)) * 0.8
     params = dict(temperature=0.9, top_k=5, top_p=0.95, min_p=0.05, repeat_penalty=1.5, repeat_last_n=8)
     prompt = [0, 1]
