@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specserve import catalog  # noqa: E402
 from specserve.engine.batch import Batch  # noqa: E402
-from specserve.engine.runner import LocalRunner  # noqa: E402
+from specserve.engine.runner import LocalRunner, default_device, default_dtype  # noqa: E402
+from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -96,15 +97,26 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random weights in the model's shapes (no file needed; speed only)")
+    ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
-    runner = LocalRunner(catalog.resolve(args.model), n_ctx=args.pp + args.tg + 64, device=args.device)
+    n_ctx = args.pp + args.tg + 64
+    if args.random_weights:
+        dev = torch.device(args.device) if args.device else default_device()
+        weights = random_weights(SHAPES[args.model], default_dtype(dev), dev)
+        runner = LocalRunner.from_weights(SHAPES[args.model], weights, n_ctx=n_ctx, cuda_graphs=not args.no_graphs)
+    else:
+        runner = LocalRunner(catalog.resolve(args.model), n_ctx=n_ctx, device=args.device,
+                             cuda_graphs=not args.no_graphs)
     dev = runner.device
     pp = bench_prefill(runner, args.pp, args.reps)
     tg = bench_decode(runner, args.tg)
     bpt = bytes_per_token(runner)
     result: dict[str, object] = {
-        "model": args.model, "device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""),
+        "model": args.model, "weights": "random" if args.random_weights else "gguf",
+        "cuda_graphs": runner.graphs is not None, "device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""),
         "torch": torch.__version__, "host": platform.node(),
         f"pp{args.pp}_tokens_per_s": round(pp, 1), f"tg{args.tg}_tokens_per_s": round(tg, 1),
         "weight_bytes_per_token": bpt,

@@ -7,11 +7,13 @@ from pathlib import Path
 import torch
 
 from specserve.engine.batch import Batch
+from specserve.engine.cuda_graphs import GraphCache
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.kernels.dispatch import triton_enabled
 from specserve.model.config import ModelConfig
 from specserve.model.transformer import Transformer
-from specserve.model.weights import load_weights
+from specserve.model.weights import ModelWeights, load_weights
 
 
 def default_device() -> torch.device:
@@ -35,23 +37,46 @@ class LocalRunner:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         progress: bool = True,
+        cuda_graphs: bool = True,
     ):
-        self.gguf = GGUFFile(model_path)
-        self.config = ModelConfig.from_gguf(self.gguf.metadata, set(self.gguf.tensor_names()))
-        self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = dtype or default_dtype(self.device)
-        self.n_ctx = int(n_ctx or min(self.config.context_length, 4096))
+        gguf = GGUFFile(model_path)
+        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+        dev = torch.device(device) if device is not None else default_device()
+        dt = dtype or default_dtype(dev)
+        weights = load_weights(gguf, config, dt, dev, progress)
+        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
+        self.gguf: GGUFFile | None = gguf
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1,
+                     n_ctx: int | None = None, cuda_graphs: bool = True) -> LocalRunner:
+        """A runner over weights built elsewhere (e.g. random weights for speed tests)."""
+        runner = cls.__new__(cls)
+        runner._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
+        runner.gguf = None
+        return runner
+
+    def _setup(self, config: ModelConfig, weights: ModelWeights, n_seqs: int, n_ctx: int | None,
+               cuda_graphs: bool) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.n_ctx = int(n_ctx or min(config.context_length, 4096))
         if self.n_ctx < 1 or n_seqs < 1:
             raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
         self.n_seqs = n_seqs
-        self.weights = load_weights(self.gguf, self.config, self.dtype, self.device, progress)
-        self.model = Transformer(self.config, self.weights, self.n_ctx)
-        cfg = self.config
+        self.model = Transformer(config, weights, self.n_ctx)
+        cfg = config
+        use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
+                      and triton_enabled(weights.embed))
+        # With graphs, one extra sequence absorbs the writes of padding rows.
         self.kv = torch.zeros(
-            (cfg.n_layers, 2, n_seqs, cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
+            (cfg.n_layers, 2, n_seqs + int(use_graphs), cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
             dtype=self.dtype, device=self.device,
         )
         self.seq_len = [0] * n_seqs
+        self.graphs = GraphCache(self._forward_all_rows, self.device, pad_seq=n_seqs) if use_graphs else None
 
     @property
     def vocab_size(self) -> int:
@@ -60,18 +85,28 @@ class LocalRunner:
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         self._check(batch)
+        runs = batch.runs()
+        if self.graphs is not None and self.graphs.supports(len(batch)):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self._forward_eager(batch, runs)
+        # Writing at position p makes p the sequence's end: later entries are stale.
+        for seq, _start, _end, kv_len in runs:
+            self.seq_len[seq] = kv_len
+        return logits
+
+    def _forward_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of every row, with no host-side batch layout (what CUDA graphs capture)."""
+        return self.model.forward(tokens, positions, seq_ids, None, [], self.kv)
+
+    def _forward_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
         dev = self.device
         tokens = torch.tensor(batch.tokens, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.tensor(batch.positions, dtype=torch.long).to(dev, non_blocking=True)
         seq_ids = torch.tensor(batch.seq_ids, dtype=torch.long).to(dev, non_blocking=True)
         rows = torch.tensor(batch.logit_rows(), dtype=torch.long).to(dev, non_blocking=True)
-        runs = batch.runs()
         with torch.inference_mode():
-            logits = self.model.forward(tokens, positions, seq_ids, rows, runs, self.kv)
-        # Writing at position p makes p the sequence's end: later entries are stale.
-        for seq, _start, _end, kv_len in runs:
-            self.seq_len[seq] = kv_len
-        return logits
+            return self.model.forward(tokens, positions, seq_ids, rows, runs, self.kv)
 
     def _check(self, batch: Batch) -> None:
         if len(batch) == 0:

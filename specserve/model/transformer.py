@@ -29,11 +29,11 @@ class Transformer:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         seq_ids: torch.Tensor,
-        logit_rows: torch.Tensor,
+        logit_rows: torch.Tensor | None,
         runs: list[tuple[int, int, int, int]],
         kv: torch.Tensor,
     ) -> torch.Tensor:
-        """Hidden states of `tokens` -> fp32 logits of `logit_rows`; writes K/V into `kv`.
+        """Hidden states of `tokens` -> fp32 logits of `logit_rows` (None: all rows); writes K/V into `kv`.
 
         kv: [n_layers, 2, n_seqs, n_kv_heads, ctx, head_dim]. `runs` comes from Batch.runs().
         """
@@ -57,5 +57,5 @@ class Transformer:
             x = F.linear(attn.view(n, cfg.q_size), lw.wo)
             h, residual = add_rms_norm(x, residual, lw.ffn_norm, cfg.rms_eps)
             x = F.linear(silu_mul(F.linear(h, lw.w_gate_up)), lw.w_down)
-        rows = (x + residual)[logit_rows]
+        rows = x + residual if logit_rows is None else (x + residual)[logit_rows]
         return F.linear(rms_norm(rows, w.out_norm, cfg.rms_eps), w.output).float()

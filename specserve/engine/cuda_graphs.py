@@ -1,0 +1,84 @@
+"""CUDA graphs for small forward passes (decode and verify steps).
+
+At batch sizes of a few tokens the GPU finishes each kernel faster than Python can
+launch the next, so the whole forward is captured once per row-count bucket and
+replayed. The graph's inputs live in one static [3, rows] tensor (tokens, positions,
+sequence ids); rows past the batch are padding that writes only to a scratch sequence.
+Logits come back for every row; the caller picks the rows it wants. The returned tensor
+is the graph's own output buffer: it is valid until the next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specserve.engine.batch import Batch
+
+# Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
+BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256]
+
+
+def bucket_for(n_rows: int, max_rows: int) -> int | None:
+    for b in BUCKETS:
+        if b >= n_rows:
+            return b if b <= max_rows else None
+    return None
+
+
+class GraphCache:
+    """Captures `forward_all(tokens, positions, seq_ids) -> logits` per bucket, lazily."""
+
+    def __init__(self, forward_all: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, pad_seq: int, max_rows: int = 256):
+        self.forward_all = forward_all
+        self.device = device
+        self.pad_seq = pad_seq
+        self.max_rows = max_rows
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.host = torch.empty((3, max(BUCKETS)), dtype=torch.long, pin_memory=True)
+
+    def supports(self, n_rows: int) -> bool:
+        return bucket_for(n_rows, self.max_rows) is not None
+
+    def _pad_rows(self, inputs: torch.Tensor, start: int) -> None:
+        inputs[0, start:] = 0
+        inputs[1, start:] = 0
+        inputs[2, start:] = self.pad_seq
+
+    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        static_in = torch.empty((3, rows), dtype=torch.long, device=self.device)
+        self._pad_rows(static_in, 0)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks kernels
+                self.forward_all(static_in[0], static_in[1], static_in[2])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            static_out = self.forward_all(static_in[0], static_in[1], static_in[2])
+        return graph, static_in, static_out
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        n = len(batch)
+        rows = bucket_for(n, self.max_rows)
+        assert rows is not None
+        if rows not in self.graphs:
+            self.graphs[rows] = self._capture(rows)
+        graph, static_in, static_out = self.graphs[rows]
+        host = self.host[:, :rows]
+        host[0, :n] = torch.tensor(batch.tokens)
+        host[1, :n] = torch.tensor(batch.positions)
+        host[2, :n] = torch.tensor(batch.seq_ids)
+        self._pad_rows(host, n)
+        # The pinned buffer is rewritten next step only after this step's results were
+        # read on the host (sampling syncs), so the asynchronous copy cannot race it.
+        static_in.copy_(host, non_blocking=True)
+        graph.replay()
+        wanted = batch.logit_rows()
+        if len(wanted) == n:
+            return static_out[:n]
+        return static_out[torch.tensor(wanted, device=self.device)]
