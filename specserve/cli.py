@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve import lookup_cli
 
     lookup_cli.register(sub)
+    from specserve.server import cli as server_cli
+
+    server_cli.register(sub)
     return parser
 
 

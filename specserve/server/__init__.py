@@ -1,0 +1,1 @@
+"""HTTP server: ASGI app, request schemas, response formats, metrics, the `serve` command."""

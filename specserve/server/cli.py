@@ -1,0 +1,114 @@
+"""`specserve serve`: the HTTP server, with llama-server's flag names and environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from specserve.errors import SpecserveError
+
+# llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
+_ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH"}
+
+
+def env_name(action: argparse.Action) -> str | None:
+    if action.dest in _ENV_OVERRIDES:
+        return _ENV_OVERRIDES[action.dest]
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs or action.dest == "help":
+        return None
+    return "LLAMA_ARG_" + longs[0][2:].upper().replace("-", "_")
+
+
+def _apply_env(parser: argparse.ArgumentParser) -> None:
+    """Every flag reads its env var; a flag on the command line wins.
+
+    argparse converts a string default with the flag's `type`, so a bad env value is
+    reported like a bad flag value.
+    """
+    for action in parser._actions:
+        name = env_name(action)
+        if name is None:
+            continue
+        action.help = f"{action.help or ''} [env: {name}]".strip()
+        value = os.environ.get(name)
+        if value is not None and value != "":
+            parser.set_defaults(**{action.dest: value})
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from specserve.cli import add_model_args, add_sampling_args, add_spec_args
+
+    p = subparsers.add_parser(
+        "serve", help="run the HTTP server (llama-server and OpenAI compatible)",
+        description="Serve a GGUF model over HTTP: /completion, /v1/completions, /v1/chat/completions, "
+                    "/tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /metrics, /health.",
+    )
+    add_model_args(p)
+    for action in p._actions:
+        if action.dest == "ctx_size":
+            action.help = "total context over all slots, as llama-server (default: min(model, 4096) per slot)"
+    g = p.add_argument_group("server")
+    g.add_argument("-np", "--parallel", type=int, default=4, help="number of slots decoding together (default 4)")
+    g.add_argument("-b", "--batch-size", type=int, default=512,
+                   help="most tokens in one forward pass for prompt processing (default 512)")
+    g.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="default tokens to generate per request (-1 = until end or full context)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or X-Api-Key)")
+    g.add_argument("-a", "--alias", default=None, help="model name shown by the API (default: the model name)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    add_sampling_args(p)
+    add_spec_args(p)
+    _apply_env(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from specserve.cli import sampling_params_from_args, spec_params_from_args
+    from specserve.server.app import create_app
+    from specserve.server.engine import ServerSettings, check_settings
+
+    if not 0 <= args.port <= 65535:
+        raise SpecserveError(f"--port {args.port} is not a TCP port")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SpecserveError(f"-t/--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    settings = ServerSettings(
+        model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
+        n_batch=args.batch_size, n_predict=args.n_predict, device=args.device, alias=args.alias,
+        sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
+    )
+    check_settings(settings)
+    settings.slot_ctx()
+    static = settings.spec.lookup_cache_static
+    if static is not None and not os.path.isfile(static):
+        raise SpecserveError(f"static lookup cache not found: {static}")
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specserve").setLevel(logging.INFO)
+    failures: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(message: str) -> None:
+        failures.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, args.api_key, on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    print(f"specserve: starting on http://{args.host}:{args.port} — loading "
+          f"{args.model or 'the default model'} (GET /health says 503 until ready)", file=sys.stderr, flush=True)
+    server.run()
+    if failures:
+        raise SpecserveError(f"could not load the model: {failures[0]}")
+    return 0

@@ -1,0 +1,164 @@
+"""The served model: runners, tokenizer and scheduler, plus request -> Task translation.
+
+Everything here is independent of HTTP: it raises SpecserveError for bad input, which the
+app turns into a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from specserve import catalog
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.scheduler import Scheduler, Task
+from specserve.errors import SpecserveError
+from specserve.gguf.chat_template import apply_chat_template
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.server.schemas import ChatTemplateFields, GenerationFields
+from specserve.speculative.base import SpecParams
+from specserve.speculative.draft_model import check_vocab_compatible
+from specserve.speculative.factory import build_chain
+
+log = logging.getLogger(__name__)
+
+# Template variables a request's chat_template_kwargs must not replace.
+_RESERVED_TEMPLATE_VARS = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None  # catalog name or GGUF path; None = the default model
+    model_draft: str | None = None
+    ctx_size: int | None = None  # total over all slots, as llama-server's -c; None = 4096 per slot at most
+    n_parallel: int = 4
+    n_batch: int = 512
+    n_predict: int = -1
+    device: str | None = None
+    alias: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecParams = field(default_factory=SpecParams)
+
+    def slot_ctx(self) -> int | None:
+        if self.ctx_size is None or self.ctx_size == 0:
+            return None
+        n = self.ctx_size // self.n_parallel
+        if n < 16:
+            raise SpecserveError(f"context size {self.ctx_size} over {self.n_parallel} slots leaves {n} tokens "
+                                 "per slot; give a larger -c or fewer slots (-np)")
+        return n
+
+
+def check_settings(s: ServerSettings) -> None:
+    if s.n_parallel < 1:
+        raise SpecserveError(f"-np/--parallel must be at least 1, got {s.n_parallel}")
+    if s.n_batch < 1:
+        raise SpecserveError(f"-b/--batch-size must be at least 1, got {s.n_batch}")
+    if s.n_predict < -1:
+        raise SpecserveError(f"-n/--n-predict must be -1 (unlimited) or more, got {s.n_predict}")
+    if s.ctx_size is not None and s.ctx_size < 0:
+        raise SpecserveError(f"-c/--ctx-size must not be negative, got {s.ctx_size}")
+    s.sampling.validate()
+    s.spec.validate()
+
+
+class Engine:
+    """A loaded model serving requests through its scheduler."""
+
+    def __init__(self, settings: ServerSettings, model_path: Path, runner: LocalRunner,
+                 draft_runner: LocalRunner | None, tokenizer: Tokenizer):
+        self.settings = settings
+        self.model_path = model_path
+        self.runner = runner
+        self.draft_runner = draft_runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(runner, tokenizer, draft_runner=draft_runner, n_batch=settings.n_batch)
+        self.n_ctx = runner.n_ctx
+        self.created = int(time.time())
+        name = settings.alias or settings.model or catalog.DEFAULT_MODEL
+        self.model_name = Path(name).stem if name.endswith(".gguf") else name
+
+    @classmethod
+    def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
+        check_settings(settings)
+        n_ctx = settings.slot_ctx()
+        path = catalog.resolve(settings.model)
+        runner = LocalRunner(path, n_seqs=settings.n_parallel, n_ctx=n_ctx, device=settings.device,
+                             progress=progress)
+        draft_runner = None
+        if settings.model_draft is not None:
+            draft_runner = LocalRunner(catalog.resolve(settings.model_draft), n_seqs=settings.n_parallel,
+                                       n_ctx=runner.n_ctx, device=settings.device, progress=progress)
+            check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+        build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
+        engine = cls(settings, path, runner, draft_runner, Tokenizer.from_gguf(runner.gguf))
+        engine.scheduler.start()
+        return engine
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    # -- prompts ------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int] | list[str]) -> list[int]:
+        """A completion prompt: text (bos added as the model asks) or token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        if prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise SpecserveError(f"one prompt per request, got a list of {len(prompt)}")
+            return self.tokenizer.encode(prompt[0], add_special=True, parse_special=True)  # type: ignore[arg-type]
+        bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]  # type: ignore[operator]
+        if bad:
+            raise SpecserveError(f"prompt token id {bad[0]} is out of range (vocabulary has "
+                                 f"{self.tokenizer.vocab_size} tokens)")
+        return list(prompt)  # type: ignore[arg-type]
+
+    def render_chat(self, req: ChatTemplateFields) -> str:
+        extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        reserved = _RESERVED_TEMPLATE_VARS & extra.keys()
+        if reserved:
+            raise SpecserveError(f"chat_template_kwargs must not set {', '.join(sorted(reserved))}")
+        if req.tools is not None:
+            extra["tools"] = req.tools
+        return apply_chat_template(self.tokenizer, req.template_messages(),
+                                   add_generation_prompt=req.add_generation_prompt, **extra)
+
+    def chat_prompt(self, req: ChatTemplateFields) -> list[int]:
+        # The template writes any bos itself, as HF's apply_chat_template does.
+        return self.tokenizer.encode(self.render_chat(req), add_special=False, parse_special=True)
+
+    # -- tasks --------------------------------------------------------------------------------------
+
+    def make_task(self, fields: GenerationFields, prompt: list[int], n_predict: int | None,
+                  n_probs: int = 0) -> Task:
+        s = self.settings
+        try:
+            sampling = replace(s.sampling, **fields.sampling_overrides()).validate()
+            overrides = fields.spec_overrides()
+            if overrides.get("type") == "draft":
+                if self.draft_runner is None:
+                    raise SpecserveError("speculative type 'draft' needs a draft model (start the server with -md)")
+                overrides["type"] = "none"  # the draft model drafts whenever the draft-free type has nothing
+            spec = s.spec.with_overrides(**overrides)
+        except TypeError as exc:  # a value of the wrong kind that the schema let through
+            raise SpecserveError(f"invalid parameter: {exc}") from None
+        if not prompt:
+            raise SpecserveError("the prompt is empty")
+        if len(prompt) >= self.n_ctx:
+            raise SpecserveError(f"the prompt ({len(prompt)} tokens) is longer than the slot context allows "
+                                 f"({self.n_ctx} tokens per slot, including at least one generated token)")
+        return Task(prompt=prompt, sampling=sampling, spec=spec,
+                    n_predict=s.n_predict if n_predict is None else n_predict, stop=fields.stop_list(),
+                    cache_prompt=fields.cache_prompt, n_probs=n_probs)
+
+    def default_params(self) -> dict[str, object]:
+        s = self.settings
+        return Task([0], s.sampling, s.spec, n_predict=s.n_predict).params_json()
+
+    def token_piece(self, token: int) -> str:
+        return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")

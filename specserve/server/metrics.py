@@ -1,0 +1,71 @@
+"""Prometheus metrics with llama-server's names, read from the scheduler's counters at scrape time.
+
+A collector (instead of instruments updated from the scheduler thread) keeps the engine free
+of any Prometheus dependency and every scrape consistent with one counters snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from specserve.engine.scheduler import SchedulerCounters
+
+PREFIX = "llamacpp:"
+
+
+class SchedulerCollector(Collector):
+    def __init__(self, counters: Callable[[], SchedulerCounters | None]):
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counters()
+        if c is None:  # still loading: no series yet
+            return
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+        yield counter("prompt_tokens", "Number of prompt tokens processed.", c.prompt_tokens)
+        yield counter("prompt_seconds", "Prompt process time.", c.prompt_seconds)
+        yield counter("tokens_predicted", "Number of generation tokens processed.", c.tokens_predicted)
+        yield counter("tokens_predicted_seconds", "Predict process time.", c.predicted_seconds)
+        yield counter("n_decode", "Number of forward passes (all slots together).", c.n_decode)
+        yield counter("requests_finished", "Requests that finished (incl. stopped by the client).",
+                      c.requests_done)
+        yield counter("requests_failed", "Requests that failed inside the engine.", c.requests_failed)
+        yield gauge("n_busy_slots_per_decode", "Average number of busy slots per forward pass.",
+                    c.n_busy_slots / c.n_decode if c.n_decode else 0.0)
+        yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                    c.prompt_tokens / c.prompt_seconds if c.prompt_seconds else 0.0)
+        yield gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s (per request).",
+                    c.tokens_predicted / c.predicted_seconds if c.predicted_seconds else 0.0)
+        yield gauge("requests_processing", "Number of requests processing.", c.requests_processing)
+        yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
+                    c.requests_deferred)
+        yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
+        generated = CounterMetricFamily(PREFIX + "draft_tokens", "Draft tokens generated, per speculative type.",
+                                        labels=["type"])
+        accepted = CounterMetricFamily(PREFIX + "draft_tokens_accepted",
+                                       "Draft tokens accepted by the target, per speculative type.", labels=["type"])
+        for name in sorted(c.draft_generated):
+            generated.add_metric([name], c.draft_generated[name])
+            accepted.add_metric([name], c.draft_accepted.get(name, 0))
+        yield generated
+        yield accepted
+
+
+def make_registry(counters: Callable[[], SchedulerCounters | None]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SchedulerCollector(counters))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

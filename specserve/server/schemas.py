@@ -1,0 +1,229 @@
+"""Request bodies: strict types and ranges; anything wrong becomes an HTTP 400.
+
+Field names follow llama-server (`/completion`, incl. the dotted `speculative.*` keys) and
+the OpenAI API. Unknown fields are ignored, as both servers do, except unknown
+`speculative.*` keys: a misspelt speculative option must not be silently dropped. No
+field can name a file on the server (lookup-cache files are server flags only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specserve.errors import SpecserveError
+
+SPEC_FIELDS = {  # request key -> SpecParams field
+    "speculative.type": "type",
+    "speculative.n_max": "n_max",
+    "speculative.n_min": "n_min",
+    "speculative.p_min": "p_min",
+    "speculative.ngram_size_n": "ngram_size_n",
+    "speculative.ngram_size_m": "ngram_size_m",
+    "speculative.ngram_c_rate": "ngram_check_rate",
+    "speculative.ngram_m_hits": "ngram_min_hits",
+}
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                   "presence_penalty", "frequency_penalty", "seed")
+MAX_N_PROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _finite(**kw: Any) -> Any:
+    return Field(None, allow_inf_nan=False, **kw)
+
+
+class GenerationFields(_Strict):
+    """Sampling, stop and speculative options shared by all generation endpoints; None = server default."""
+
+    temperature: float | None = _finite()
+    top_k: int | None = None
+    top_p: float | None = _finite(ge=0, le=1)
+    min_p: float | None = _finite(ge=0, le=1)
+    repeat_penalty: float | None = _finite(gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = _finite()
+    frequency_penalty: float | None = _finite()
+    seed: int | None = Field(None, ge=-1, le=2**64 - 1)
+    stop: str | list[str] | None = None
+    cache_prompt: bool = True
+    spec_type: str | None = Field(None, alias="speculative.type")
+    spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
+    spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    spec_p_min: float | None = _finite(alias="speculative.p_min", ge=0, le=1)
+    # The ngram sizes are clamped to [1, 1024] like llama-server does (spec/speculative.md).
+    spec_ngram_size_n: int | None = Field(None, alias="speculative.ngram_size_n")
+    spec_ngram_size_m: int | None = Field(None, alias="speculative.ngram_size_m")
+    spec_ngram_c_rate: int | None = Field(None, alias="speculative.ngram_c_rate")
+    spec_ngram_m_hits: int | None = Field(None, alias="speculative.ngram_m_hits")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_speculative_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(k for k in data if isinstance(k, str) and k.startswith("speculative.")
+                             and k not in SPEC_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown speculative option(s): {', '.join(unknown)} "
+                                 f"(known: {', '.join(SPEC_FIELDS)})")
+            if "speculative" in data:
+                raise ValueError("give speculative options as flat keys, e.g. \"speculative.n_max\": 8")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+    def spec_overrides(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, name in SPEC_FIELDS.items():
+            value = getattr(self, "spec_" + key.removeprefix("speculative."))
+            if value is None:
+                continue
+            if key.startswith("speculative.ngram_"):
+                value = min(max(value, 1), 1024)
+            out[name] = value
+        return out
+
+
+Prompt = str | list[int] | list[str]
+
+
+class CompletionRequest(GenerationFields):
+    """llama-server's native POST /completion."""
+
+    prompt: Prompt
+    n_predict: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=-1)  # llama-server accepts it as n_predict's alias
+    stream: bool = False
+    n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    return_tokens: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class OpenAICommon(GenerationFields):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n = 1 is supported (one choice per request)")
+        return value
+
+
+class OpenAICompletionRequest(OpenAICommon):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    echo: bool = False
+    suffix: None = None  # fill-in-the-middle is not supported
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_calls, ...) go to the chat template unchanged."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=False)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # JSON-constrained output is not supported
+
+
+class ChatTemplateFields(_Strict):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+
+class ChatRequest(OpenAICommon, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
+    response_format: ResponseFormat | None = None
+
+
+class ApplyTemplateRequest(ChatTemplateFields):
+    """POST /apply-template."""
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+
+
+M = TypeVar("M", bound=BaseModel)
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        if err["type"] == "json_invalid":
+            return f"malformed JSON: {err['msg'].removeprefix('Invalid JSON: ')}"
+        if err["type"] == "model_type" and not err["loc"]:
+            return "the request body must be a JSON object"
+        # Union members show up in the location as type names ('str', 'list[int]'): leave them out.
+        loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid request: " + "; ".join(parts)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; SpecserveError (-> 400) with a readable message otherwise."""
+    if not body.strip():
+        raise SpecserveError("the request body is empty (expected a JSON object)")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise SpecserveError(_describe(exc)) from None
