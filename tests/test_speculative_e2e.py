@@ -1,0 +1,100 @@
+"""Speculative decoding end to end on smollm2-135m: identical output, fewer target passes.
+
+Every type must reproduce plain greedy decoding token for token; the draft-free types must
+also accept drafted tokens on a code-edit prompt and so need fewer target forward passes
+than tokens generated. With a fixed seed at temperature > 0 the text is identical too (the
+sampler's randomness is tied to the position, not to how many passes produced it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.gguf.chat_template import apply_chat_template
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.speculative.base import SpecParams
+from specserve.speculative.factory import build_chain
+from specserve.workloads import load_workloads
+
+N_PREDICT = 64
+NGRAM_TYPES = {
+    "ngram-simple": SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8),
+    "ngram-map-k": SpecParams(type="ngram-map-k", ngram_size_n=4, ngram_size_m=8),
+    "ngram-map-k4v": SpecParams(type="ngram-map-k4v", ngram_size_n=2, ngram_size_m=4),
+    "ngram-cache": SpecParams(type="ngram-cache"),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_runner: LocalRunner) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm_runner.gguf)
+
+
+@pytest.fixture(scope="module")
+def code_edit_prompt(tokenizer: Tokenizer) -> list[int]:
+    messages = load_workloads()["code_edit"][0]  # small models copy this input back nearly verbatim
+    return tokenizer.encode(apply_chat_template(tokenizer, messages), add_special=False)
+
+
+@pytest.fixture(scope="module")
+def draft_runner(smollm_path) -> LocalRunner:
+    return LocalRunner(smollm_path, n_ctx=1024, device="cpu", progress=False)
+
+
+def run(runner: LocalRunner, prompt: list[int], tokenizer: Tokenizer, spec: SpecParams | None,
+        sampling: SamplingParams, draft: LocalRunner | None = None) -> GenerationStats:
+    chain = build_chain(spec, draft) if spec is not None else None
+    stats = GenerationStats()
+    n_max = spec.n_max if spec else 0
+    list(generate(runner, prompt, N_PREDICT, Sampler(sampling), is_eog=tokenizer.is_eog, speculator=chain,
+                  n_draft_max=n_max, stats=stats))
+    return stats
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(smollm_runner, code_edit_prompt, tokenizer) -> GenerationStats:
+    return run(smollm_runner, code_edit_prompt, tokenizer, None, SamplingParams(temperature=0))
+
+
+@pytest.mark.parametrize("name", list(NGRAM_TYPES))
+def test_ngram_types_identical_and_fewer_passes(name, smollm_runner, code_edit_prompt, tokenizer,
+                                                 plain_greedy) -> None:
+    stats = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES[name], SamplingParams(temperature=0))
+    assert stats.tokens == plain_greedy.tokens
+    assert stats.draft_accepted > 0, f"{name} accepted no drafted token"
+    assert stats.target_forwards < plain_greedy.target_forwards
+    assert stats.target_forwards + stats.draft_accepted == plain_greedy.target_forwards
+
+
+def test_draft_model_identical(smollm_runner, draft_runner, code_edit_prompt, tokenizer, plain_greedy) -> None:
+    """The model as its own draft: every confident draft token is the target's own choice."""
+    spec = SpecParams(type="none", n_max=8, p_min=0.5)
+    stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0), draft_runner)
+    assert stats.tokens == plain_greedy.tokens
+    assert stats.draft_tokens > 0
+    assert stats.draft_accepted >= 0.9 * stats.draft_tokens
+    assert stats.target_forwards < plain_greedy.target_forwards
+
+
+def test_ngram_then_draft_chain(smollm_runner, draft_runner, code_edit_prompt, tokenizer, plain_greedy) -> None:
+    spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8, n_max=8)
+    chain = build_chain(spec, draft_runner)
+    assert chain is not None and [m.name for m in chain.members] == ["ngram_simple", "draft"]
+    stats = GenerationStats()
+    tokens = list(generate(smollm_runner, code_edit_prompt, N_PREDICT, Sampler(SamplingParams(temperature=0)),
+                           is_eog=tokenizer.is_eog, speculator=chain, n_draft_max=8, stats=stats))
+    assert tokens == plain_greedy.tokens
+    ngram, draft = chain.members
+    assert ngram.stats.acc_tokens > 0 and draft.stats.calls > 0
+    # The draft model runs only where the n-gram lookup found nothing.
+    assert draft.stats.calls == ngram.stats.calls - ngram.stats.gen_drafts
+
+
+def test_seeded_sampling_identical_with_speculation(smollm_runner, code_edit_prompt, tokenizer) -> None:
+    sampling = SamplingParams(temperature=0.8, seed=1234)
+    plain = run(smollm_runner, code_edit_prompt, tokenizer, None, sampling)
+    spec = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES["ngram-simple"], sampling)
+    assert spec.tokens == plain.tokens
