@@ -308,6 +308,8 @@ class Scheduler:
         for slot in self.slots:
             if slot.handle is not None and slot.handle.cancelled:
                 self._finish(slot, "cancelled")
+        for handle in [h for h in self._queue if h.cancelled]:
+            handle.emit(Failure("cancelled while waiting for a slot"))
         self._queue = deque(h for h in self._queue if not h.cancelled)
         n_idle = sum(s.handle is None for s in self.slots)
         started = [self._queue.popleft() for _ in range(min(n_idle, len(self._queue)))]

@@ -215,7 +215,9 @@ def _describe(exc: ValidationError) -> str:
         # Union members show up in the location as type names ('str', 'list[int]'): leave them out.
         loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
         msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        part = f"{loc}: {msg}" if loc else msg
+        if part not in parts:
+            parts.append(part)
     return "invalid request: " + "; ".join(parts)
 
 

@@ -1,0 +1,151 @@
+"""The slot scheduler in-process: batching invariance, draft-model slots, failures, stop strings."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.scheduler import Chunk, Failure, Result, Scheduler, Task, TaskHandle
+from specserve.engine.text_stream import TextStream, partial_stop_len
+from specserve.errors import SpecserveError
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.speculative.base import SpecParams
+
+GREEDY = SamplingParams(temperature=0.0)
+N_SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def target(smollm_path: Path) -> LocalRunner:
+    return LocalRunner(smollm_path, n_seqs=N_SLOTS, n_ctx=256, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target: LocalRunner) -> Tokenizer:
+    return Tokenizer.from_gguf(target.gguf)
+
+
+@pytest.fixture
+def scheduler(target: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
+    sched = Scheduler(target, tokenizer, n_batch=16)  # small n_batch: prompts are read in chunks
+    sched.start()
+    yield sched
+    sched.shutdown()
+
+
+def submit(sched: Scheduler, tokenizer: Tokenizer, prompt: str, n_predict: int = 12,
+           spec: SpecParams | None = None, **kw: object) -> tuple[TaskHandle, queue.Queue]:
+    events: queue.Queue = queue.Queue()
+    task = Task(tokenizer.encode(prompt), GREEDY, spec or SpecParams(), n_predict=n_predict, **kw)  # type: ignore[arg-type]
+    return sched.submit(task, events.put), events
+
+
+def wait(events: queue.Queue) -> tuple[str, Result | Failure]:
+    text = ""
+    while True:
+        event = events.get(timeout=120)
+        if isinstance(event, Chunk):
+            text += event.text
+        else:
+            return text, event
+
+
+PROMPTS = ["The capital of France is", "Here is a long list of fruits: apple, banana, cherry, date, elderberry,"]
+
+
+def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: Tokenizer,
+                                                smollm_path: Path) -> None:
+    # The target as its own draft model: every drafted token that clears p_min is accepted.
+    draft = LocalRunner(smollm_path, n_seqs=N_SLOTS, n_ctx=256, device="cpu", progress=False)
+    sched = Scheduler(target, tokenizer, draft_runner=draft, n_batch=16)
+    sched.start()
+    try:
+        plain = SpecParams(n_max=0)
+        alone = [wait(submit(sched, tokenizer, p, spec=plain)[1]) for p in PROMPTS]
+        spec = SpecParams(n_max=4, p_min=0.0)
+        pending = [submit(sched, tokenizer, p, spec=spec) for p in PROMPTS]
+        together = [wait(events) for _, events in pending]
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        for _, result in together:
+            assert isinstance(result, Result)
+            assert result.draft_n > 0 and result.draft_n_accepted == result.draft_n
+        counters = sched.counters_snapshot()
+        assert counters.draft_generated["draft"] == counters.draft_accepted["draft"] > 0
+    finally:
+        sched.shutdown()
+
+
+def test_failed_step_fails_its_tasks_and_keeps_serving(scheduler: Scheduler, tokenizer: Tokenizer,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = scheduler.runner
+    real_forward = runner.forward
+    calls = {"n": 0}
+
+    def flaky(batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device error")
+        return real_forward(batch)
+
+    monkeypatch.setattr(runner, "forward", flaky)
+    outcomes = [wait(submit(scheduler, tokenizer, p)[1])[1] for p in PROMPTS[:1]]
+    assert isinstance(outcomes[0], Failure) and "simulated device error" in outcomes[0].message
+    text, result = wait(submit(scheduler, tokenizer, PROMPTS[0])[1])
+    assert isinstance(result, Result) and result.n_predicted == 12 and text
+    assert not any(s["is_processing"] for s in scheduler.slots_json())
+
+
+def test_queue_cancel_and_n_predict_zero(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+    pending = [submit(scheduler, tokenizer, p, n_predict=40) for p in ["One", "Two", "Three"]]
+    pending[2][0].cancel()  # the third waits for a slot: dropped without running
+    pending[0][0].cancel()
+    first, third = wait(pending[0][1]), wait(pending[2][1])
+    # cancelled while running, or (if the thread had not picked it up yet) while queued
+    assert (isinstance(first[1], Result) and first[1].stop_type == "cancelled") or (
+        isinstance(first[1], Failure) and "cancelled" in first[1].message)
+    assert isinstance(third[1], Failure) and "cancelled" in third[1].message
+    assert isinstance(wait(pending[1][1])[1], Result)
+    text, result = wait(submit(scheduler, tokenizer, "Hello", n_predict=0)[1])
+    assert text == "" and isinstance(result, Result) and result.n_predicted == 0
+
+
+def test_prompt_cache_reuses_prefix(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+    first = wait(submit(scheduler, tokenizer, PROMPTS[1])[1])
+    again = wait(submit(scheduler, tokenizer, PROMPTS[1])[1])
+    fresh = wait(submit(scheduler, tokenizer, PROMPTS[1], cache_prompt=False)[1])
+    assert first[0] == again[0] == fresh[0]
+    n_prompt = len(tokenizer.encode(PROMPTS[1]))
+    assert isinstance(again[1], Result) and again[1].n_cached == n_prompt - 1
+    assert isinstance(fresh[1], Result) and fresh[1].n_cached == 0
+
+
+def test_prompt_must_fit_the_slot(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+    with pytest.raises(SpecserveError, match="does not fit"):
+        submit(scheduler, tokenizer, "word " * 300)
+
+
+def test_stop_string_split_over_tokens(tokenizer: Tokenizer) -> None:
+    text = "The answer is 42. The end."
+    ids = tokenizer.encode(text, add_special=False)
+    stream = TextStream(tokenizer, ["42. The"])
+    sent, stopped = "", False
+    for token in ids:
+        stopped = stream.add(token)
+        sent += stream.take(final=stopped)
+        assert "4" not in sent  # a possible start of the stop string is never sent early
+        if stopped:
+            break
+    assert stopped and sent == "The answer is " and stream.stopping_word == "42. The"
+
+
+def test_partial_stop_len() -> None:
+    assert partial_stop_len("hello wor", ["world"]) == 3
+    assert partial_stop_len("hello", ["xyz", "lo!"]) == 2
+    assert partial_stop_len("abc", []) == 0
+    assert partial_stop_len("abc", ["abc"]) == 0  # a whole stop string is a match, not a partial one
+    assert partial_stop_len("xab", ["abc"]) == 2

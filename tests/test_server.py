@@ -1,0 +1,401 @@
+"""The HTTP server, end to end: a real `specserve serve` process spoken to over HTTP.
+
+One module-scoped server (4 slots, 1024 tokens each, an API key) serves most tests; greedy
+requests (temperature 0) make texts comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_utils import ServerProcess
+
+API_KEY = "test-key-123"
+N_SLOTS = 4
+SLOT_CTX = 1024
+REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("-m", "smollm2-135m", "-np", str(N_SLOTS), "-c", str(N_SLOTS * SLOT_CTX),
+                        "--device", "cpu", "--api-key", API_KEY, api_key=API_KEY)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def assert_error(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    assert err["type"] == {400: "invalid_request_error", 401: "authentication_error"}[status]
+    return err["message"]
+
+
+def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    r = server.get("/metrics")
+    assert r.status_code == 200
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# ---- start-up ------------------------------------------------------------------------------------
+
+
+def test_health_reports_loading_then_ready(server: ServerProcess) -> None:
+    statuses = [status for status, _ in server.health_seen]
+    assert statuses[-1] == 200 and server.health_seen[-1][1] == {"status": "ok"}
+    assert 503 in statuses, f"never saw the loading state: {server.health_seen}"
+    loading = next(body for status, body in server.health_seen if status == 503)
+    assert loading["error"]["code"] == 503 and "Loading" in loading["error"]["message"]
+
+
+def test_props_models_and_slots(server: ServerProcess, client: openai.OpenAI) -> None:
+    props = server.get("/props").json()
+    assert props["total_slots"] == N_SLOTS
+    assert props["default_generation_settings"]["n_ctx"] == SLOT_CTX
+    assert "<|im_start|>" in props["chat_template"]
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    slots = server.get("/slots").json()
+    assert [s["id"] for s in slots] == list(range(N_SLOTS))
+    assert all(s["n_ctx"] == SLOT_CTX and s["state"] in ("idle", "generating", "processing_prompt") for s in slots)
+
+
+# ---- OpenAI client ---------------------------------------------------------------------------------
+
+
+def test_openai_chat_and_stream_agree(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content
+    assert text and full.choices[0].finish_reason in ("stop", "length")
+    assert full.choices[0].message.role == "assistant"
+    assert 0 < full.usage.completion_tokens <= 16 and full.usage.prompt_tokens > 10
+
+    parts, finish, usage = [], None, None
+    stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert len([p for p in parts if p]) > 1, "the answer came in one piece: not streamed"
+    assert "".join(parts) == text
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_openai_chat_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # greedy: the chosen token is the most likely one
+        assert entry.token == entry.top_logprobs[0].token
+
+
+def test_openai_completions_match_native(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "The three primary colors are"
+    out = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0)
+    native = server.complete(prompt, n_predict=12)
+    assert out.choices[0].text == native["content"] and native["content"]
+    assert out.usage.completion_tokens == native["tokens_predicted"]
+    streamed = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == native["content"]
+
+
+# ---- /completion with speculation ---------------------------------------------------------------------
+
+
+def test_completion_speculative_fields(server: ServerProcess) -> None:
+    plain = server.complete(REPEATING, n_predict=24)
+    spec = server.complete(REPEATING, n_predict=24, **{
+        "speculative.type": "ngram-simple", "speculative.ngram_size_n": 3, "speculative.ngram_size_m": 8,
+        "speculative.n_max": 8})
+    assert spec["content"] == plain["content"], "greedy output must not change with speculation"
+    t = spec["timings"]
+    assert t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+    assert plain["timings"]["draft_n"] == 0
+    settings = spec["generation_settings"]
+    assert settings["speculative.type"] == "ngram-simple" and settings["speculative.n_max"] == 8
+    assert settings["speculative.ngram_size_n"] == 3
+    # The ngram sizes are clamped to [1, 1024] (spec/speculative.md), not refused.
+    clamped = server.complete("Hello", n_predict=2, **{"speculative.ngram_size_m": 5000,
+                                                        "speculative.ngram_c_rate": 0})
+    assert clamped["generation_settings"]["speculative.ngram_size_m"] == 1024
+    assert clamped["generation_settings"]["speculative.ngram_c_rate"] == 1
+
+
+def test_completion_stream_native(server: ServerProcess) -> None:
+    events = list(server.stream("/completion", {"prompt": "Once upon a time", "n_predict": 10,
+                                                "temperature": 0, "stream": True}))
+    assert events[-1]["stop"] is True and all(e["stop"] is False for e in events[:-1])
+    assert events[-1]["tokens_predicted"] == 10 and events[-1]["stop_type"] == "limit"
+    assert "".join(e["content"] for e in events) == server.complete("Once upon a time", n_predict=10)["content"]
+
+
+def test_stop_strings(server: ServerProcess) -> None:
+    full = server.complete("The capital of France is", n_predict=16)["content"]
+    assert len(full) > 8
+    stop = full[5:9]  # starts mid-text, probably mid-token
+    cut = server.complete("The capital of France is", n_predict=16, stop=[stop])
+    assert cut["content"] == full[:full.index(stop)]
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == stop
+    events = list(server.stream("/completion", {"prompt": "The capital of France is", "n_predict": 16,
+                                                "temperature": 0, "stop": [stop], "stream": True}))
+    assert "".join(e["content"] for e in events) == cut["content"]
+
+
+# ---- continuous batching -----------------------------------------------------------------------------
+
+
+def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
+    # More requests than slots: the extra ones wait in the queue.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4, 5,",
+               "The best way to learn", REPEATING]
+    spec = {"speculative.type": "ngram-simple", "speculative.ngram_size_n": 3, "speculative.ngram_size_m": 8}
+    bodies = [{"cache_prompt": False}, {}, {}, spec, {}, spec]
+    alone = [server.complete(p, n_predict=16, **b)["content"] for p, b in zip(prompts, bodies, strict=True)]
+    before = metrics(server)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda pb: server.complete(pb[0], n_predict=16, **pb[1]),
+                                 zip(prompts, bodies, strict=True)))
+    assert [r["content"] for r in together] == alone
+    assert len({r["id_slot"] for r in together}) == N_SLOTS  # every slot took part
+    after = metrics(server)
+    decodes = after[("llamacpp:n_decode_total", ())] - before[("llamacpp:n_decode_total", ())]
+    tokens = sum(r["tokens_predicted"] for r in together)
+    assert decodes < tokens * 0.6, "slots were not decoded together in shared forward passes"
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+BAD_BODIES = [
+    pytest.param(b'{"prompt": "hi", "n_predict": 4', "malformed JSON", id="malformed-json"),
+    pytest.param(b"", "empty", id="empty-body"),
+    pytest.param(b'["prompt"]', "JSON object", id="not-an-object"),
+    pytest.param(b'{"n_predict": 4}', "prompt", id="missing-prompt"),
+    pytest.param(b'{"prompt": "hi", "temperature": "hot"}', "temperature", id="wrong-type"),
+    pytest.param(b'{"prompt": "hi", "n_predict": 2.5}', "n_predict", id="float-for-int"),
+    pytest.param(b'{"prompt": "hi", "stream": "yes"}', "stream", id="string-for-bool"),
+    pytest.param(b'{"prompt": 42}', "prompt", id="prompt-number"),
+    pytest.param(b'{"prompt": "hi", "top_p": 1.5}', "top_p", id="top_p-range"),
+    pytest.param(b'{"prompt": "hi", "n_predict": -2}', "n_predict", id="n_predict-range"),
+    pytest.param(b'{"prompt": "hi", "seed": -5}', "seed", id="seed-range"),
+    pytest.param(b'{"prompt": "hi", "speculative.p_min": 2}', "p_min", id="p_min-range"),
+    pytest.param(b'{"prompt": "hi", "speculative.n_max": -1}', "n_max", id="n_max-range"),
+    pytest.param(b'{"prompt": "hi", "speculative.n_min": 9, "speculative.n_max": 4}', "n_min", id="n_min>n_max"),
+    pytest.param(b'{"prompt": "hi", "speculative.type": "magic"}', "unknown speculative type", id="spec-type"),
+    pytest.param(b'{"prompt": "hi", "speculative.type": "draft"}', "draft model", id="spec-draft-without-md"),
+    pytest.param(b'{"prompt": "hi", "speculative.lookup_cache_static": "/etc/passwd"}', "unknown speculative",
+                 id="no-server-files"),
+    pytest.param(b'{"prompt": [1, 2, 99999999]}', "out of range", id="token-id-range"),
+    pytest.param(b'{"prompt": []}', "empty", id="empty-prompt"),
+    pytest.param(b'{"prompt": "hi", "stop": [""]}', "stop", id="empty-stop"),
+    pytest.param(json.dumps({"prompt": "word " * 1500}).encode(), "slot context", id="prompt-too-long"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_BODIES)
+def test_bad_completion_requests(server: ServerProcess, body: bytes, needle: str) -> None:
+    message = assert_error(server.post("/completion", content=body), 400)
+    assert needle.lower() in message.lower()
+
+
+@pytest.mark.parametrize(("path", "body", "needle"), [
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n = 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}, "slot context"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/tokenize", {"content": 3}, "content"),
+    ("/detokenize", {"tokens": [-1]}, "token id"),
+    ("/apply-template", {"messages": "hi"}, "messages"),
+])
+def test_bad_requests_other_endpoints(server: ServerProcess, path: str, body: object, needle: str) -> None:
+    content = json.dumps(body).encode()  # NaN becomes the non-JSON token NaN
+    message = assert_error(server.post(path, content=content), 400)
+    assert needle.lower() in message.lower()
+
+
+def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], top_p=3.0)
+    assert "top_p" in str(info.value)
+
+
+def test_server_still_answers_after_bad_input(server: ServerProcess) -> None:
+    for body in (b"{", b'{"prompt": "hi", "speculative.type": "nope"}'):
+        assert_error(server.post("/completion", content=body), 400)
+    assert server.complete("Hello", n_predict=3)["tokens_predicted"] == 3
+    server.wait_slots_idle()
+
+
+def test_api_key(server: ServerProcess) -> None:
+    body = {"prompt": "hi", "n_predict": 1}
+    assert_error(httpx.post(server.url + "/completion", json=body), 401)
+    assert_error(httpx.post(server.url + "/completion", json=body, headers={"Authorization": "Bearer nope"}), 401)
+    assert_error(httpx.get(server.url + "/slots"), 401)
+    assert_error(httpx.get(server.url + "/metrics", headers={"X-Api-Key": "nope"}), 401)
+    assert httpx.post(server.url + "/completion", json=body, headers={"X-Api-Key": API_KEY}).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # public, as in llama-server
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model="x", prompt="hi", max_tokens=1)
+
+
+# ---- disconnects --------------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_slot(server: ServerProcess) -> None:
+    # A prompt the model keeps continuing (no early end of generation), greedy.
+    body = {"prompt": REPEATING, "n_predict": 500, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=server.headers(), timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        busy = server.get("/slots").json()
+        assert any(s["is_processing"] and s["params"]["n_predict"] == 500 for s in busy)
+    # The connection is closed: the slot must be free long before 500 tokens could be generated.
+    assert server.wait_slots_idle(timeout=5) < 5
+    assert server.complete("Hello", n_predict=2)["tokens_predicted"] == 2
+
+
+def test_disconnect_while_waiting_non_stream(server: ServerProcess) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/completion", json={"prompt": REPEATING, "n_predict": 500, "temperature": 0},
+                   headers=server.headers(), timeout=1.5)
+    assert server.wait_slots_idle(timeout=5) < 5
+
+
+# ---- tokens, templates, metrics -------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_apply_template(server: ServerProcess) -> None:
+    tokens = server.post("/tokenize", {"content": "Hello world, héllo!"}).json()["tokens"]
+    assert tokens and all(isinstance(t, int) for t in tokens)
+    assert server.post("/detokenize", {"tokens": tokens}).json()["content"] == "Hello world, héllo!"
+    pieces = server.post("/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "Hello world"
+    prompt = server.post("/apply-template", {"messages": [{"role": "user", "content": "Hi there"}]}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    # The prompt as token ids gives the same answer as the text.
+    as_ids = server.post("/tokenize", {"content": "The sky is", "add_special": True}).json()["tokens"]
+    assert server.complete(as_ids, n_predict=6)["content"] == server.complete("The sky is", n_predict=6)["content"]
+
+
+def test_metrics_parse_and_move(server: ServerProcess) -> None:
+    before = metrics(server)
+    server.complete(REPEATING, n_predict=12, cache_prompt=False, **{
+        "speculative.type": "ngram-simple", "speculative.ngram_size_n": 3, "speculative.ngram_size_m": 8})
+    after = metrics(server)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert delta("llamacpp:tokens_predicted_total") == 12
+    assert delta("llamacpp:prompt_tokens_total") > 20
+    assert delta("llamacpp:n_decode_total") > 0
+    ngram = (("type", "ngram_simple"),)
+    assert delta("llamacpp:draft_tokens_total", ngram) > 0
+    assert 0 < delta("llamacpp:draft_tokens_accepted_total", ngram) <= delta("llamacpp:draft_tokens_total", ngram)
+    assert after[("llamacpp:requests_processing", ())] == 0
+    assert ("llamacpp:requests_deferred", ()) in after
+
+
+def test_slots_show_request_params(server: ServerProcess) -> None:
+    body = {"prompt": REPEATING, "n_predict": 400, "stream": True, "temperature": 0,
+            "speculative.type": "ngram-map-k", "speculative.n_max": 5}
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=server.headers(), timeout=60) as r:
+        lines = r.iter_lines()  # keep the iterator alive: closing it closes the connection
+        next(line for line in lines if line.startswith("data: "))
+        busy = [s for s in server.get("/slots").json() if s["is_processing"]]
+        assert len(busy) == 1
+        params = busy[0]["params"]
+        assert params["speculative.type"] == "ngram-map-k" and params["speculative.n_max"] == 5
+        assert busy[0]["state"] == "generating" and busy[0]["speculative"] is True
+    server.wait_slots_idle()
+
+
+# ---- command line and environment -------------------------------------------------------------------------
+
+
+def test_env_vars_configure_the_server(tmp_path) -> None:
+    from tests.server_utils import free_port
+
+    port = free_port()
+    env = {"LLAMA_ARG_MODEL": "smollm2-135m", "LLAMA_ARG_PORT": str(port), "LLAMA_ARG_N_PARALLEL": "2",
+           "LLAMA_ARG_CTX_SIZE": "512", "LLAMA_API_KEY": "env-key", "LLAMA_ARG_DEVICE": "cpu",
+           "LLAMA_ARG_SPEC_TYPE": "ngram-simple", "LLAMA_ARG_DRAFT_MAX": "6"}
+    srv = ServerProcess(env=env, port=port, api_key="env-key")
+    try:
+        srv.wait_ready()
+        assert httpx.get(srv.url + "/props").status_code == 401
+        props = srv.get("/props").json()
+        assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 256
+        params = props["default_generation_settings"]["params"]
+        assert params["speculative.type"] == "ngram-simple" and params["speculative.n_max"] == 6
+    finally:
+        srv.stop()
+
+
+def test_serve_defaults_and_env_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.parallel, args.api_key) == ("127.0.0.1", 8080, 4, None)
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "2048")
+    monkeypatch.setenv("LLAMA_ARG_HOST", "0.0.0.0")
+    args = build_parser().parse_args(["serve", "--host", "::1"])
+    assert args.ctx_size == 2048 and args.host == "::1"  # the flag wins over the env var
+    monkeypatch.setenv("LLAMA_ARG_PORT", "not-a-port")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--spec-type", "magic"], "unknown speculative type"),
+    (["-lcs", "/nonexistent/cache.bin"], "static lookup cache not found"),
+    (["-np", "0"], "parallel"),
+    (["-c", "40", "-np", "4"], "per slot"),
+])
+def test_serve_refuses_bad_flags(args: list[str], needle: str) -> None:
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--port", "1", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert needle in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 60
