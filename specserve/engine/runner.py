@@ -78,6 +78,11 @@ class LocalRunner:
         self.seq_len = [0] * n_seqs
         self.graphs = GraphCache(self._forward_all_rows, self.device, pad_seq=n_seqs) if use_graphs else None
 
+    def warmup(self, max_rows: int = 17) -> None:
+        """Capture the CUDA graphs for steps of up to max_rows rows (no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.capture_up_to(max_rows)
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size

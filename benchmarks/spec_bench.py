@@ -1,0 +1,115 @@
+"""Speculative decoding per type and workload category, measured side by side in one run.
+
+    python benchmarks/spec_bench.py -m qwen2.5-coder-1.5b -md qwen2.5-coder-0.5b -n 256
+
+For each category of the workload file and each type (none, the n-gram types, draft):
+greedy generation of every prompt of the category; reports tokens generated per target
+forward pass, draft acceptance rate, decode tokens/s, speedup over `none`, and whether
+the text is identical to `none`. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specserve.engine.generate import GenerationStats, generate  # noqa: E402
+from specserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
+from specserve.session import GenerationSession  # noqa: E402
+from specserve.speculative.base import SpecParams  # noqa: E402
+from specserve.speculative.factory import build_chain  # noqa: E402
+from specserve.workloads import load_workloads  # noqa: E402
+
+TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft"]
+
+
+def run_type(session: GenerationSession, prompts: list[list[int]], spec_type: str, base: SpecParams,
+             n_predict: int) -> dict[str, object]:
+    spec = base.with_overrides(type="none" if spec_type == "draft" else spec_type)
+    totals = GenerationStats()
+    outputs = []
+    seconds = 0.0
+    for prompt in prompts:
+        draft = session.draft_runner if spec_type == "draft" else None
+        chain = build_chain(spec, draft) if spec_type != "none" else None
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        tokens = list(generate(session.runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)),
+                               is_eog=session.tokenizer.is_eog, speculator=chain, n_draft_max=spec.n_max,
+                               n_draft_min=spec.n_min, stats=stats))
+        seconds += time.perf_counter() - t0 - stats.prompt_seconds
+        outputs.append(tokens)
+        for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):
+            setattr(totals, field, getattr(totals, field) + getattr(stats, field))
+    return {
+        "type": spec_type,
+        "generated": totals.generated,
+        "target_forwards": totals.target_forwards,
+        "tokens_per_forward": round(totals.generated / max(totals.target_forwards, 1), 3),
+        "draft_tokens": totals.draft_tokens,
+        "draft_accepted": totals.draft_accepted,
+        "acceptance_rate": round(totals.draft_accepted / totals.draft_tokens, 4) if totals.draft_tokens else None,
+        "tokens_per_s": round(totals.generated / seconds, 1),
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("-md", "--model-draft", default=None)
+    ap.add_argument("-n", "--n-predict", type=int, default=256)
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--draft-max", type=int, default=16)
+    ap.add_argument("--spec-ngram-size-n", type=int, default=SpecParams.ngram_size_n)
+    ap.add_argument("--spec-ngram-size-m", type=int, default=SpecParams.ngram_size_m)
+    ap.add_argument("--prompts", default=None, help="workload JSON (default: ../shared/workloads/prompts.json)")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    types = [t for t in args.types.split(",") if t != "draft" or args.model_draft]
+    session = GenerationSession.load(args.model, draft_model=args.model_draft, device=args.device, n_ctx=4096,
+                                     progress=False)
+    for runner in (session.runner, session.draft_runner):
+        if runner is not None:
+            runner.warmup(args.draft_max + 1)
+    base = SpecParams(n_max=args.draft_max, ngram_size_n=args.spec_ngram_size_n,
+                      ngram_size_m=args.spec_ngram_size_m)
+    results = []
+    for category, conversations in load_workloads(args.prompts).items():
+        prompts = [session.tokenizer.encode(apply_chat_template(session.tokenizer, msgs), add_special=False)
+                   for msgs in conversations]
+        rows = {t: run_type(session, prompts, t, base, args.n_predict) for t in types}
+        none = rows["none"]
+        for row in rows.values():
+            row["category"] = category
+            row["speedup"] = round(row["tokens_per_s"] / none["tokens_per_s"], 3)
+            row["identical_to_none"] = row["outputs"] == none["outputs"]
+            results.append(row)
+    header = f"{'category':<10} {'type':<14} {'tok/fwd':>8} {'accept':>7} {'tok/s':>8} {'speedup':>8} identical"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        print(f"{r['category']:<10} {r['type']:<14} {r['tokens_per_forward']:>8} {acc:>7} {r['tokens_per_s']:>8}"
+              f" {r['speedup']:>7}x {r['identical_to_none']}")
+    device = str(session.runner.device)
+    out = Path(args.output or f"benchmarks/results/spec_{args.model}_{session.runner.device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        r.pop("outputs")
+    meta = {"model": args.model, "draft": args.model_draft, "n_predict": args.n_predict, "device": device,
+            "draft_max": args.draft_max, "ngram_size_n": args.spec_ngram_size_n,
+            "ngram_size_m": args.spec_ngram_size_m}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
