@@ -15,7 +15,7 @@ cmd="${1:-serve}"
 shift || true
 case "$cmd" in
     serve)
-        exec "$VENV/bin/specserve" generate -p "Write a haiku about fast inference." -n 64 --chat "$@"
+        exec "$VENV/bin/specserve" serve "$@"
         ;;
     test)
         "$VENV/bin/specserve" models pull smollm2-135m

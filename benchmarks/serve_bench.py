@@ -1,0 +1,235 @@
+"""Serving benchmark: N concurrent streaming clients, with and without speculation.
+
+    python benchmarks/serve_bench.py -m smollm2-135m --device cpu --clients 1,4 --n-predict 32
+    python benchmarks/serve_bench.py --url http://127.0.0.1:8080 --clients 1,4,16,64
+
+Without --url it starts `specserve serve` itself (one slot per client of the largest level).
+Each client streams `--requests` requests one after another through llama-server's native
+/completion (chat prompts from workloads/prompts.json, rendered by /apply-template), so it
+also works against llama-server. Speculation is switched per request: mode `none` sends
+`speculative.n_max = 0`, any other mode sends `speculative.type = MODE`.
+
+Reports aggregate generated tokens/s (all clients, wall clock), time to first token and
+inter-token latency (p50, p99; a chunk of k tokens counts as k gaps of 1/k of its delay),
+draft acceptance; prints a table and writes JSON (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROMPTS = ROOT.parent / "shared" / "workloads" / "prompts.json"
+
+
+@dataclass
+class RequestStats:
+    ttft: float = 0.0  # seconds to the first generated token
+    gaps: list[float] = field(default_factory=list)  # per-token inter-token latencies
+    tokens: int = 0
+    draft_n: int = 0
+    draft_accepted: int = 0
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    clients: int
+    requests: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    draft_n: int
+    draft_accepted: int
+
+
+def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
+    data = json.loads(path.read_text())
+    cats = [category] if category else sorted(data)
+    return [item["messages"] for cat in cats for item in data[cat]]
+
+
+def spec_fields(mode: str) -> dict[str, object]:
+    return {"speculative.n_max": 0} if mode == "none" else {"speculative.type": mode}
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mode: str) -> RequestStats:
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "stream": True, "return_tokens": True,
+            "cache_prompt": False, **spec_fields(mode)}
+    stats = RequestStats()
+    t0 = last = time.perf_counter()
+    async with client.stream("POST", "/completion", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            n = len(event.get("tokens") or [])
+            now = time.perf_counter()
+            if n:
+                if stats.tokens == 0:
+                    stats.ttft = now - t0
+                else:
+                    stats.gaps.extend([(now - last) / n] * n)
+                stats.tokens += n
+                last = now
+            if event.get("stop"):
+                timings = event.get("timings", {})
+                stats.draft_n = timings.get("draft_n", 0)
+                stats.draft_accepted = timings.get("draft_n_accepted", 0)
+    return stats
+
+
+async def run_level(url: str, headers: dict[str, str], prompts: list[str], clients: int, requests: int,
+                    n_predict: int, mode: str) -> LevelResult:
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+
+        async def client_loop(i: int) -> list[RequestStats]:
+            return [await one_request(client, prompts[(i + k * clients) % len(prompts)], n_predict, mode)
+                    for k in range(requests)]
+
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(client_loop(i) for i in range(clients)))
+        wall = time.perf_counter() - t0
+    all_stats = [s for stats in per_client for s in stats]
+    ttft = np.array([s.ttft for s in all_stats]) * 1000
+    gaps = np.array([g for s in all_stats for g in s.gaps] or [0.0]) * 1000
+    tokens = sum(s.tokens for s in all_stats)
+    return LevelResult(
+        mode=mode, clients=clients, requests=len(all_stats), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+        ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
+        itl_p50_ms=float(np.percentile(gaps, 50)), itl_p99_ms=float(np.percentile(gaps, 99)),
+        draft_n=sum(s.draft_n for s in all_stats), draft_accepted=sum(s.draft_accepted for s in all_stats),
+    )
+
+
+def render_prompts(url: str, headers: dict[str, str], conversations: list[list[dict]]) -> list[str]:
+    out = []
+    for messages in conversations:
+        r = httpx.post(url + "/apply-template", json={"messages": messages}, headers=headers, timeout=60)
+        r.raise_for_status()
+        out.append(r.json()["prompt"])
+    return out
+
+
+def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "-m", args.model, "-np", str(n_slots),
+           "-c", str(args.slot_ctx * n_slots), "--port", str(port), *args.server_args]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.model_draft:
+        cmd += ["-md", args.model_draft]
+    log = open(Path(tempfile.gettempdir()) / "serve_bench_server.log", "w")  # noqa: SIM115 - lives with the process
+    print(f"starting: {' '.join(cmd)} (log: {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.load_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise SystemExit(f"server not ready after {args.load_timeout}s; see {log.name}")
+
+
+def print_table(results: list[LevelResult]) -> None:
+    head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        acc = f"{r.draft_accepted}/{r.draft_n}" if r.draft_n else "-"
+        print(f"{r.mode:<14} {r.clients:>7} {r.requests:>5} {r.tokens:>7} {r.tokens_per_s:>8.1f} "
+              f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
+              f"{acc:>12}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="benchmark a running server (default: start one)")
+    p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
+    p.add_argument("-m", "--model", default="smollm2-135m", help="model for the server this script starts")
+    p.add_argument("-md", "--model-draft", default=None, help="draft model for the started server")
+    p.add_argument("--device", default=None)
+    p.add_argument("--slot-ctx", type=int, default=2048, help="context per slot of the started server")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for `specserve serve`")
+    p.add_argument("--load-timeout", type=float, default=600)
+    p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--requests", type=int, default=2, help="requests per client at each level")
+    p.add_argument("-n", "--n-predict", type=int, default=128)
+    p.add_argument("--modes", default="none,ngram-simple",
+                   help="comma-separated: none (no speculation) or a speculative.type per request")
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="workloads/prompts.json")
+    p.add_argument("--category", default=None, help="only this prompt category (default: all)")
+    p.add_argument("-o", "--out", type=Path, default=None, help="JSON output path")
+    args = p.parse_args()
+
+    levels = [int(c) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+    conversations = load_prompts(args.prompts, args.category)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args, max(levels))
+    try:
+        props = httpx.get(url + "/props", headers=headers, timeout=30).json()
+        prompts = render_prompts(url, headers, conversations)
+        asyncio.run(run_level(url, headers, prompts[:1], 1, 1, 8, "none"))  # warm-up
+        results = []
+        for clients in levels:
+            for mode in modes:  # modes side by side at each level: load changes hit both alike
+                res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict, mode))
+                results.append(res)
+                print(f"{mode} x{clients}: {res.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print_table(results)
+    model = Path(props.get("model_alias") or props.get("model_path") or args.model).stem
+    device = args.device or ("remote" if args.url else "default")
+    out = args.out or ROOT / "benchmarks" / "results" / f"serve_{model}_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": model, "url": args.url, "slots": props.get("total_slots"), "n_predict": args.n_predict,
+        "requests_per_client": args.requests, "prompts": str(args.prompts), "host": platform.node(),
+        "results": [asdict(r) for r in results],
+    }, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
