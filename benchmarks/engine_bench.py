@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,73 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specserve import catalog  # noqa: E402
-from specserve.engine.batch import Batch  # noqa: E402
+from specserve.bench import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth  # noqa: E402
 from specserve.engine.runner import LocalRunner, default_device, default_dtype  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    reps = 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * n_bytes * reps / (time.perf_counter() - t0)
-
-
-def bytes_per_token(runner: LocalRunner) -> int:
-    """Weight bytes one decode step reads: everything but the embedding table (one row)."""
-    w = runner.weights
-    total = w.n_bytes()
-    if not runner.config.tied_embeddings:
-        total -= w.embed.numel() * w.embed.element_size()
-    return total
-
-
-def bench_prefill(runner: LocalRunner, n: int, reps: int) -> float:
-    tokens = [(i * 7919) % runner.vocab_size for i in range(n)]
-    times = []
-    for _ in range(reps + 1):
-        runner.kv_truncate(0, 0)
-        batch = Batch()
-        batch.add_sequence(tokens, 0, 0, "last")
-        sync(runner.device)
-        t0 = time.perf_counter()
-        runner.forward(batch)
-        sync(runner.device)
-        times.append(time.perf_counter() - t0)
-    return n / min(times[1:])
-
-
-def bench_decode(runner: LocalRunner, n: int, context: int = 16) -> float:
-    """Greedy-style single-token steps (argmax fed back, as generation does)."""
-    runner.kv_truncate(0, 0)
-    batch = Batch()
-    batch.add_sequence(list(range(1, context + 1)), 0, 0, "last")
-    logits = runner.forward(batch)
-    for warm in (True, False):
-        sync(runner.device)
-        t0 = time.perf_counter()
-        steps = 8 if warm else n
-        for _ in range(steps):
-            token = int(logits[0].argmax().item())
-            batch = Batch()
-            batch.add(token, runner.seq_len[0], 0, logits=True)
-            logits = runner.forward(batch)
-        sync(runner.device)
-        elapsed = time.perf_counter() - t0
-    return n / elapsed
 
 
 def main() -> None:

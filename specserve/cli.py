@@ -128,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(p)
     p.set_defaults(func=cmd_generate)
 
-    from specserve import lookup_cli
+    from specserve import bench, lookup_cli
 
     lookup_cli.register(sub)
+    bench.register(sub)
     from specserve.server import cli as server_cli
 
     server_cli.register(sub)
