@@ -55,13 +55,13 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()
-    path = catalog.resolve(args.model)
+    base = LocalRunner(catalog.resolve(args.model), n_ctx=1024, device="cuda", progress=False)
     setups = {}
     os.environ["SPECSERVE_NO_TRITON"] = "1"
-    setups["torch-eager"] = LocalRunner(path, n_ctx=1024, device="cuda", cuda_graphs=False, progress=False)
+    setups["torch-eager"] = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
     os.environ["SPECSERVE_NO_TRITON"] = "0"
-    setups["triton-eager"] = LocalRunner(path, n_ctx=1024, device="cuda", cuda_graphs=False, progress=False)
-    setups["triton-graphs"] = LocalRunner(path, n_ctx=1024, device="cuda", progress=False)
+    setups["triton-eager"] = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
+    setups["triton-graphs"] = base
     report: dict[str, object] = {"model": args.model, "n": args.n, "prompts": []}
     for prompt in PROMPTS:
         runs = {}

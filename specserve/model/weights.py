@@ -6,6 +6,8 @@ matmuls fewer per step: at small batch the GPU pays per kernel, not per byte.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -49,41 +51,61 @@ class ModelWeights:
         return total
 
 
+def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not config.tied_embeddings:
+        names.append("output.weight")
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"]
+    for i in range(config.n_layers):
+        names += [f"blk.{i}.{n}.weight" for n in per_layer]
+        if config.qkv_bias:
+            names += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+        if config.qk_norm:
+            names += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+    return names
+
+
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str, progress: bool = True) -> ModelWeights:
-    n_tensors = len(gguf.tensor_names())
-    bar = tqdm(total=n_tensors, desc="load", unit="tensor", disable=not progress, leave=False)
+    names = _tensor_names(gguf, config)
+    for name in names:
+        gguf.tensor_shape(name)  # a missing tensor fails here, before any work
+    # Dequantization runs in numpy, which releases the GIL: threads load tensors in parallel.
+    workers = min(8, os.cpu_count() or 1)
+    with tqdm(total=len(names), desc="load", unit="tensor", disable=not progress, leave=False) as bar, \
+            ThreadPoolExecutor(workers) as pool:
+        def load(name: str) -> torch.Tensor:
+            t = gguf.load_tensor(name, dtype, device)
+            bar.update(1)
+            return t
 
-    def get(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
-        t = gguf.load_tensor(name, dt, device)
-        bar.update(1)
-        return t
+        t = dict(zip(names, pool.map(load, names), strict=True))
 
-    def maybe(name: str, dt: torch.dtype = dtype) -> torch.Tensor | None:
-        return get(name, dt) if gguf.has_tensor(name) else None
+    def opt(name: str) -> torch.Tensor | None:
+        return t.get(name)
 
-    embed = get("token_embd.weight")
     layers = []
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        wqkv = torch.cat([get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")])
         bqkv = None
         if config.qkv_bias:
-            bqkv = torch.cat([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")])
+            bqkv = torch.cat([t[p + "attn_q.bias"], t[p + "attn_k.bias"], t[p + "attn_v.bias"]])
         layers.append(
             LayerWeights(
-                attn_norm=get(p + "attn_norm.weight"),
-                wqkv=wqkv,
+                attn_norm=t[p + "attn_norm.weight"],
+                wqkv=torch.cat([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]),
                 bqkv=bqkv,
-                q_norm=maybe(p + "attn_q_norm.weight"),
-                k_norm=maybe(p + "attn_k_norm.weight"),
-                wo=get(p + "attn_output.weight"),
-                ffn_norm=get(p + "ffn_norm.weight"),
-                w_gate_up=torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
-                w_down=get(p + "ffn_down.weight"),
+                q_norm=opt(p + "attn_q_norm.weight"),
+                k_norm=opt(p + "attn_k_norm.weight"),
+                wo=t[p + "attn_output.weight"],
+                ffn_norm=t[p + "ffn_norm.weight"],
+                w_gate_up=torch.cat([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]]),
+                w_down=t[p + "ffn_down.weight"],
             )
         )
-    out_norm = get("output_norm.weight")
-    output = embed if config.tied_embeddings else get("output.weight")
-    bar.close()
-    return ModelWeights(embed=embed, layers=layers, out_norm=out_norm, output=output)
+        for suffix in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
+            del t[p + suffix]  # the fused copies replace them; free the parts now
+    embed = t["token_embd.weight"]
+    output = embed if config.tied_embeddings else t["output.weight"]
+    return ModelWeights(embed=embed, layers=layers, out_norm=t["output_norm.weight"], output=output)
