@@ -22,5 +22,5 @@ for step in $steps; do
                    --requests 2 -n 128 --modes none,ngram-simple 2>&1 | tail -14 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
     esac
-    cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+    cp benchmarks/results/*qwen*.json "$OUT/" 2>/dev/null
 done

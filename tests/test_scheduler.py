@@ -80,6 +80,24 @@ def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: T
         sched.shutdown()
 
 
+def test_seeded_sampling_independent_of_batching_and_drafts(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+    # Non-greedy, penalized: the sampler path. Its noise is per position, so the same seed gives
+    # the same text alone, batched with another request, and with drafts.
+    sampling = SamplingParams(temperature=0.9, seed=1234, repeat_penalty=1.1)
+    spec = SpecParams(type="ngram-simple", ngram_size_n=2, ngram_size_m=8, n_max=8)
+
+    def run(prompt: str, spec: SpecParams) -> tuple[TaskHandle, queue.Queue]:
+        events: queue.Queue = queue.Queue()
+        task = Task(tokenizer.encode(prompt), sampling, spec, n_predict=16)
+        return scheduler.submit(task, events.put), events
+
+    prompts = ["a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c", PROMPTS[1]]
+    alone = [wait(run(p, SpecParams(n_max=0))[1])[0] for p in prompts]
+    together = [wait(events) for _, events in [run(p, spec) for p in prompts]]
+    assert [text for text, _ in together] == alone
+    assert sum(r.draft_n for _, r in together if isinstance(r, Result)) > 0
+
+
 def test_failed_step_fails_its_tasks_and_keeps_serving(scheduler: Scheduler, tokenizer: Tokenizer,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     runner = scheduler.runner

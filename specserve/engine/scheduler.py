@@ -464,17 +464,21 @@ class Scheduler:
         with self._cond:
             self.counters.n_decode += 1
             self.counters.n_busy_slots += len(plan)
+        # Plain greedy slots need only the argmax of their rows: one transfer for the whole
+        # batch instead of one device sync per slot.
+        argmax = logits.argmax(dim=-1).tolist() if any(self._plain_greedy(s) for s, *_ in plan) else []
         row = 0
         for slot, draft, n_tokens, n_rows in plan:
             rows = logits[row:row + n_rows]
+            greedy = argmax[row:row + n_rows] if self._plain_greedy(slot) else None
             row += n_rows
             if slot.handle is None:
                 continue
             try:
                 if draft is None:
-                    self._after_prompt_chunk(slot, n_tokens, rows)
+                    self._after_prompt_chunk(slot, n_tokens, rows, greedy)
                 else:
-                    self._after_decode(slot, rows, draft)
+                    self._after_decode(slot, rows, draft, greedy)
             except Exception as exc:
                 log.exception("processing slot %d failed", slot.id)
                 self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
@@ -493,7 +497,25 @@ class Scheduler:
             return []
         return slot.chain.draft(slot.cache, slot.last, limit, spec.n_min)
 
-    def _after_prompt_chunk(self, slot: Slot, n_tokens: int, rows: torch.Tensor) -> None:
+    @staticmethod
+    def _plain_greedy(slot: Slot) -> bool:
+        """The token is the argmax of the logits (the sampler keeps no state that matters then)."""
+        return slot.sampler is not None and slot.sampler.params.greedy and not slot.sampler.params.penalized
+
+    @staticmethod
+    def _choose(slot: Slot, rows: torch.Tensor, draft: list[int], greedy: list[int] | None) -> list[int]:
+        """The accepted draft prefix plus one new token (row i is the target's view after draft[:i])."""
+        if greedy is not None:
+            out: list[int] = []
+            for i, token in enumerate(greedy):
+                out.append(token)
+                if i == len(draft) or token != draft[i]:
+                    break
+            return out
+        assert slot.sampler is not None
+        return slot.sampler.sample_and_verify(rows, draft) if draft else [slot.sampler.sample(rows[0])]
+
+    def _after_prompt_chunk(self, slot: Slot, n_tokens: int, rows: torch.Tensor, greedy: list[int] | None) -> None:
         task = slot.task
         slot.cache.extend(task.prompt[slot.n_past:slot.n_past + n_tokens])
         slot.n_past += n_tokens
@@ -507,24 +529,20 @@ class Scheduler:
         if task.n_predict == 0:
             self._finish(slot, "limit")
             return
-        assert slot.sampler is not None
-        slot.last = slot.sampler.sample(rows[0])
+        slot.last = self._choose(slot, rows, [], greedy)[0]
         if slot.use_chain:
             slot.chain.begin(task.prompt)  # type: ignore[union-attr]
         self._emit_tokens(slot, [slot.last], rows)
 
-    def _after_decode(self, slot: Slot, rows: torch.Tensor, draft: list[int]) -> None:
-        assert slot.sampler is not None
+    def _after_decode(self, slot: Slot, rows: torch.Tensor, draft: list[int], greedy: list[int] | None) -> None:
+        out = self._choose(slot, rows, draft, greedy)
         if draft:
-            out = slot.sampler.sample_and_verify(rows, draft)
             n_acc = len(out) - 1
             assert slot.chain is not None
             slot.chain.accept(n_acc)
             slot.draft_n += len(draft)
             slot.draft_accepted += n_acc
             self._count_drafts(slot)
-        else:
-            out = [slot.sampler.sample(rows[0])]
         slot.cache.append(slot.last)
         slot.cache.extend(out[:-1])
         self.runner.kv_truncate(slot.id, len(slot.cache))  # drop the rejected draft positions
