@@ -147,7 +147,8 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
         cmd += ["-md", args.model_draft]
     log = open(Path(tempfile.gettempdir()) / "serve_bench_server.log", "w")  # noqa: SIM115 - lives with the process
     print(f"starting: {' '.join(cmd)} (log: {log.name})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}  # spinning torch threads starve the HTTP threads
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.load_timeout
     while time.monotonic() < deadline:

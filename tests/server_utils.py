@@ -36,7 +36,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "specserve.cli", "serve", *args]
         if port is None:
             cmd += ["--port", str(self.port)]
-        full_env = {**os.environ, **(env or {})}
+        # Passive OpenMP waits: spinning torch threads collapse when the CPU is shared (a busy CI box).
+        full_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.health_seen: list[tuple[int, Any]] = []  # (status, body) of each /health answer while waiting
