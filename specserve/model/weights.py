@@ -11,21 +11,25 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.kernels.linear import Q8Weight, Weight, quantize_q8
 from specserve.model.config import ModelConfig
+
+WEIGHT_FORMATS = ("bf16", "q8")  # "bf16": matrices in the runner's dtype; "q8": int8 + fp16 scales
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [q + 2 kv, hidden]
+    wqkv: Weight  # [q + 2 kv, hidden]
     bqkv: torch.Tensor | None  # [q + 2 kv] (qwen2)
     q_norm: torch.Tensor | None  # [head_dim] (qwen3)
     k_norm: torch.Tensor | None
-    wo: torch.Tensor  # [hidden, q]
+    wo: Weight  # [hidden, q]
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 ffn, hidden]
-    w_down: torch.Tensor  # [hidden, ffn]
+    w_gate_up: Weight  # [2 ffn, hidden]
+    w_down: Weight  # [hidden, ffn]
 
 
 @dataclass
@@ -33,7 +37,7 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     out_norm: torch.Tensor
-    output: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    output: Weight  # [vocab, hidden]; the embedding itself when tied (unless quantized)
 
     def n_bytes(self) -> int:
         """Bytes of all weight tensors (the output matrix once, even when tied)."""
@@ -43,14 +47,40 @@ class ModelWeights:
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+            key = t.q.data_ptr() if isinstance(t, Q8Weight) else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.n_bytes() if isinstance(t, Q8Weight) else t.numel() * t.element_size()
         return total
 
 
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
+    """Weights with every projection matrix (and the output matrix) in `weight_format`, in place.
+
+    The embedding stays a float table: one row of it is read per token.
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    if weight_format == "bf16":
+        return weights
+    for layer in weights.layers:
+        for name in MATRICES:
+            w = getattr(layer, name)
+            if not isinstance(w, Q8Weight):
+                setattr(layer, name, quantize_q8(w))
+    if not isinstance(weights.output, Q8Weight):
+        weights.output = quantize_q8(weights.output)
+    return weights
+
+
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str, progress: bool = True) -> ModelWeights:
+                 device: torch.device | str, progress: bool = True, weight_format: str = "bf16") -> ModelWeights:
+    """weight_format "q8" quantizes each matrix from its fp32 dequantization (a Q8_0 file round-trips exactly)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
     n_tensors = len(gguf.tensor_names())
     bar = tqdm(total=n_tensors, desc="load", unit="tensor", disable=not progress, leave=False)
 
@@ -62,11 +92,16 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     def maybe(name: str, dt: torch.dtype = dtype) -> torch.Tensor | None:
         return get(name, dt) if gguf.has_tensor(name) else None
 
+    def matrix(*names: str) -> Weight:
+        if weight_format == "q8":
+            return quantize_q8(torch.cat([get(n, torch.float32) for n in names]))
+        return torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+
     embed = get("token_embd.weight")
     layers = []
     for i in range(config.n_layers):
         p = f"blk.{i}."
-        wqkv = torch.cat([get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")])
+        wqkv = matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")
         bqkv = None
         if config.qkv_bias:
             bqkv = torch.cat([get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")])
@@ -77,13 +112,16 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                 bqkv=bqkv,
                 q_norm=maybe(p + "attn_q_norm.weight"),
                 k_norm=maybe(p + "attn_k_norm.weight"),
-                wo=get(p + "attn_output.weight"),
+                wo=matrix(p + "attn_output.weight"),
                 ffn_norm=get(p + "ffn_norm.weight"),
-                w_gate_up=torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
-                w_down=get(p + "ffn_down.weight"),
+                w_gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                w_down=matrix(p + "ffn_down.weight"),
             )
         )
     out_norm = get("output_norm.weight")
-    output = embed if config.tied_embeddings else get("output.weight")
+    if weight_format == "q8":
+        output = quantize_q8(embed) if config.tied_embeddings else matrix("output.weight")
+    else:
+        output = embed if config.tied_embeddings else get("output.weight")
     bar.close()
     return ModelWeights(embed=embed, layers=layers, out_norm=out_norm, output=output)
