@@ -101,7 +101,8 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt in ("bf16", "q8"):
+    for fmt, triton_gemv in (("bf16", "0"), ("bf16", "1"), ("q8", "1")):
+        os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         runner = make_runner(fmt)
         t0 = time.perf_counter()
         runner.warmup(17)
@@ -114,7 +115,8 @@ def section_model() -> None:
         runner.forward(b)
         gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 16)}
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
-        r = {"format": fmt, "weight_GB": runner.weights.n_bytes() / 1e9, "warmup_s": round(warm_s, 1),
+        r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "weight_GB": runner.weights.n_bytes() / 1e9,
+             "warmup_s": round(warm_s, 1),
              "pp512": round(pp), "tg128": round(tg, 1), "gpu_us": {k: round(v, 1) for k, v in gpu.items()},
              "verify8_over_decode_gpu": round(gpu[8] / gpu[1], 3), "wall_ms_1": round(wall1, 3),
              "wall_ms_8": round(wall8, 3), "verify8_over_decode_wall": round(wall8 / wall1, 3)}

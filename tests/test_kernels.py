@@ -65,12 +65,12 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int) -> N
 
 
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
-@pytest.mark.parametrize("rows_per_seq", [1, 4, 9])
-def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int) -> None:
+@pytest.mark.parametrize("rows_per_seq,ctx", [(1, 600), (4, 600), (9, 600), (3, 5000)])
+def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ctx: int) -> None:
     from specserve.kernels import attention_triton
     from specserve.kernels.attention import attention_ref
 
-    n_seqs, ctx = 3, 600  # several splits
+    n_seqs = 3  # several splits (5000: longer splits, 40 of them)
     k_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     v_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     seq_lens = torch.randint(rows_per_seq, ctx, (n_seqs,)).tolist()

@@ -4,6 +4,10 @@ Q8 halves the bytes a decode step reads: at batch 1 every weight is read once pe
 so bytes set the floor. Its Triton kernel dequantizes in registers for 1..16 rows (decode
 and verify steps) and can fuse SwiGLU into its input and the bias into its output; more
 rows (prefill) dequantize to bf16 and use cuBLAS, where arithmetic, not bytes, dominates.
+
+The same kernel on bf16 weights beats cuBLAS for one row on the smaller matrices (measured
+on an H200: [1536, 1536] 4.0 vs 6.8 us; benchmarks/results/kernel_notes.md), so it is used
+there; cuBLAS keeps the large ones and every multi-row bf16 product.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from specserve.kernels.dispatch import triton_enabled
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
+BF16_GEMV_MAX_WEIGHTS = 16 << 20  # one-row bf16 products up to this size run the Triton kernel
 
 
 @dataclass
@@ -78,16 +83,16 @@ def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, sil
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _triton_gemv_bf16() -> bool:
-    """The Triton kernel for bf16 weights too (off by default: cuBLAS measured faster or equal)."""
-    return os.environ.get("SPECSERVE_TRITON_GEMV") == "1"
+def _triton_gemv_bf16(rows: int, w: torch.Tensor) -> bool:
+    """One row over a small bf16 matrix (SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs)."""
+    return rows == 1 and w.numel() <= BF16_GEMV_MAX_WEIGHTS and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     quant = isinstance(w, Q8Weight)
-    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_bf16()):
+    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_bf16(rows, w)):
         from specserve.kernels import linear_triton
 
         return linear_triton.gemv(x, w.q if quant else w, w.scale if quant else None, bias, silu_input,
