@@ -47,7 +47,7 @@ def bytes_per_token(runner: LocalRunner) -> int:
     """Weight bytes one decode step reads: everything but the embedding table (one row)."""
     w = runner.weights
     total = w.n_bytes()
-    if not runner.config.tied_embeddings:
+    if w.output is not w.embed:  # an untied (or quantized) output matrix: the embedding is a lookup
         total -= w.embed.numel() * w.embed.element_size()
     return total
 

@@ -65,12 +65,12 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int) -> N
 
 
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
-@pytest.mark.parametrize("rows_per_seq", [1, 4, 9])
-def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int) -> None:
+@pytest.mark.parametrize("rows_per_seq,ctx", [(1, 600), (4, 600), (9, 600), (3, 5000)])
+def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ctx: int) -> None:
     from specserve.kernels import attention_triton
     from specserve.kernels.attention import attention_ref
 
-    n_seqs, ctx = 3, 600  # several splits
+    n_seqs = 3  # several splits (5000: longer splits, 40 of them)
     k_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     v_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     seq_lens = torch.randint(rows_per_seq, ctx, (n_seqs,)).tolist()
@@ -88,3 +88,84 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int) ->
     got = attention_triton.attention(q, k_cache, v_cache, pos_t, seq_t, scale)
     ref = attention_ref(q.float(), k_cache.float(), v_cache.float(), pos_t, seq_t, runs, scale)
     assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8960), (5, 96), (16, 1000)])
+def test_silu_mul(rows: int, cols: int) -> None:
+    from specserve.kernels import activation_triton
+    from specserve.kernels.activation import silu_mul_ref
+
+    x = torch.randn(rows, 2 * cols, device=DEVICE).to(DTYPE)
+    assert rel_err(activation_triton.silu_mul(x), silu_mul_ref(x)) < TOL
+
+
+def test_quantize_q8_round_trip() -> None:
+    from specserve.kernels import linear_triton
+    from specserve.kernels.linear import dequantize_q8, quantize_q8
+
+    # values that are exactly Q8_0 (int8 times an fp16 scale per 32) come back exactly
+    q = torch.randint(-127, 128, (48, 320), dtype=torch.int8)
+    q[:, ::32] = 127  # each block reaches the full range, as Q8_0's rule makes it
+    d = (torch.rand(48, 10) * 0.02 + 1e-4).half()
+    w = (q.float().view(48, 10, 32) * d.float()[..., None]).view(48, 320)
+    qw = quantize_q8(w.to(DEVICE))
+    assert torch.equal(qw.q.cpu(), q) and torch.equal(qw.scale.cpu(), d)
+    assert torch.equal(dequantize_q8(qw, torch.float32).cpu(), w)
+    assert torch.equal(linear_triton.dequantize(qw.q, qw.scale, torch.float32).cpu(), w)
+    # any weights: error of one rounding step per block
+    w = torch.randn(33, 64, device=DEVICE)
+    assert rel_err(dequantize_q8(quantize_q8(w), torch.float32), w) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
+    (40, 96, False, False, False), (130, 288, True, False, False), (72, 160, False, True, False),
+    (257, 64, False, False, True),
+])
+def test_gemv(rows: int, quant: bool, n_out: int, k: int, bias: bool, silu_input: bool, out_fp32: bool) -> None:
+    from specserve.kernels import linear_triton
+    from specserve.kernels.linear import linear_ref, quantize_q8
+
+    x = torch.randn(rows, 2 * k if silu_input else k, device=DEVICE).to(DTYPE)
+    w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
+    qw = quantize_q8(w) if quant else w
+    b = torch.randn(n_out, device=DEVICE).to(DTYPE) if bias else None
+    out_dtype = torch.float32 if out_fp32 else DTYPE
+    got = linear_triton.gemv(x, qw.q if quant else w, qw.scale if quant else None, b, silu_input, out_dtype,
+                             fixed_blocks=True)
+    ref = linear_ref(x.float(), qw if quant else w.float(), b.float() if bias else None, silu_input)
+    assert got.dtype == out_dtype and got.shape == (rows, n_out)
+    assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "q8"])
+def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""
+    import dataclasses
+
+    from specserve.kernels.linear import Q8Weight
+    from specserve.model.random_init import SHAPES, random_weights
+    from specserve.model.transformer import Transformer
+    from specserve.model.weights import quantize_weights
+
+    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=128, n_heads=4, n_kv_heads=2,
+                              head_dim=64, ffn=96, vocab_size=300)
+    weights = quantize_weights(random_weights(cfg, DTYPE, DEVICE, seed=1), weight_format)
+    assert isinstance(weights.output, Q8Weight) == (weight_format == "q8")
+    model = Transformer(cfg, weights, 64)
+    steps = [list(range(20)), [20], list(range(21, 29))]  # prefill, decode, verify
+    outs: dict[str, list[torch.Tensor]] = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("SPECSERVE_NO_TRITON", "1" if mode == "torch" else "0")
+        kv = torch.zeros(cfg.n_layers, 2, 1, cfg.n_kv_heads, 64, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+        outs[mode] = []
+        for pos in steps:
+            p = torch.tensor(pos, device=DEVICE)
+            tokens = (p * 37 + 5) % cfg.vocab_size
+            seq = torch.zeros_like(p)
+            runs = [(0, 0, len(pos), pos[-1] + 1)]
+            outs[mode].append(model.forward(tokens, p, seq, None, runs, kv))
+    for got, ref in zip(outs["triton"], outs["torch"], strict=True):
+        assert got.dtype == torch.float32
+        assert rel_err(got, ref) < TOL

@@ -13,8 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT = 256  # context positions per program
 BLOCK_N = 64  # keys per inner step
+MAX_SPLITS = 64  # the merge holds every split of a row at once
+
+
+def split_len(ctx: int) -> int:
+    """Context positions per program: short (64) so a decode step at small batch spreads over
+    many programs (each one is latency-bound), longer only to keep at most MAX_SPLITS splits."""
+    return max(BLOCK_N, triton.next_power_of_2(triton.cdiv(ctx, MAX_SPLITS)))
 
 
 @triton.jit
@@ -60,27 +66,21 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, mid_o_ptr, mid_l
 
 
 @triton.jit
-def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.constexpr,
+def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                        N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    n_valid = tl.load(pos_ptr + row) // SPLIT_LEN + 1
+    n_valid = tl.load(pos_ptr + row) // SPLIT_LEN + 1  # splits past the row's position were never written
+    i = tl.arange(0, SPLITS_PAD)
+    valid = i < n_valid
     d = tl.arange(0, HEAD_DIM)
     base = (row * N_HEADS + head) * N_SPLITS
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for i in range(0, N_SPLITS):  # splits past the row's position were never written
-        valid = i < n_valid
-        lse = tl.load(mid_lse_ptr + base + i + tl.zeros([1], tl.int32), mask=valid, other=float("-inf"))
-        o = tl.load(mid_o_ptr + (base + i) * HEAD_DIM + d, mask=valid, other=0.0)
-        m_new = tl.maximum(m, lse)
-        scale_old = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * scale_old + o * w
-        total = total * scale_old + w
-        m = m_new
-    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, (acc / total).to(out_ptr.dtype.element_ty))
+    # all splits in one step: no serial loop over them
+    lse = tl.load(mid_lse_ptr + base + i, mask=valid, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    o = tl.load(mid_o_ptr + (base + i)[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
+    acc = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -89,7 +89,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     n_rows, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
-    n_splits = triton.cdiv(k_cache.shape[2], SPLIT)
+    split = split_len(k_cache.shape[2])
+    n_splits = triton.cdiv(k_cache.shape[2], split)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
@@ -99,8 +100,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=SPLIT, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
+        N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=split, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
-                                           N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=SPLIT, num_warps=1)
+                                           SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,
+                                           HEAD_DIM=head_dim, SPLIT_LEN=split, num_warps=4)
     return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.activation import silu_mul
 from specserve.kernels.attention import attention
+from specserve.kernels.linear import linear
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import rope_and_cache, rope_cos_sin
 from specserve.model.config import ModelConfig
@@ -41,10 +41,13 @@ class Transformer:
         w = self.weights
         n = tokens.shape[0]
         x = F.embedding(tokens, w.embed)
-        residual = torch.zeros_like(x)
+        residual: torch.Tensor | None = None
         for layer_idx, lw in enumerate(w.layers):
-            h, residual = add_rms_norm(x, residual, lw.attn_norm, cfg.rms_eps)
-            qkv = F.linear(h, lw.wqkv, lw.bqkv)
+            if residual is None:  # first layer: the residual stream starts as the embedding
+                h, residual = rms_norm(x, lw.attn_norm, cfg.rms_eps), x
+            else:
+                h, residual = add_rms_norm(x, residual, lw.attn_norm, cfg.rms_eps)
+            qkv = linear(h, lw.wqkv, lw.bqkv)
             q = qkv[:, : cfg.q_size].view(n, cfg.n_heads, cfg.head_dim)
             k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(n, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.n_kv_heads, cfg.head_dim)
@@ -54,8 +57,11 @@ class Transformer:
             k_cache, v_cache = kv[layer_idx, 0], kv[layer_idx, 1]
             q = rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, cfg.rope_style)
             attn = attention(q, k_cache, v_cache, positions, seq_ids, runs, self.scale)
-            x = F.linear(attn.view(n, cfg.q_size), lw.wo)
+            x = linear(attn.view(n, cfg.q_size), lw.wo)
             h, residual = add_rms_norm(x, residual, lw.ffn_norm, cfg.rms_eps)
-            x = F.linear(silu_mul(F.linear(h, lw.w_gate_up)), lw.w_down)
-        rows = x + residual if logit_rows is None else (x + residual)[logit_rows]
-        return F.linear(rms_norm(rows, w.out_norm, cfg.rms_eps), w.output).float()
+            x = linear(linear(h, lw.w_gate_up), lw.w_down, silu_input=True)
+        assert residual is not None, "a model has at least one layer"
+        if logit_rows is not None:
+            x, residual = x[logit_rows], residual[logit_rows]
+        h, _ = add_rms_norm(x, residual, w.out_norm, cfg.rms_eps)
+        return linear(h, w.output, out_dtype=torch.float32)
