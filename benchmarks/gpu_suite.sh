@@ -16,7 +16,7 @@ for step in $steps; do
     echo "=== $step ($(date +%T))"
     case "$step" in
         kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 ;;
-        bench) timeout 600 python3 -m specserve.cli bench -m $T -md $D 2>&1 | grep -v "load:" | tail -22 ;;
+        bench) timeout 600 python3 -m specserve.cli bench -m $T ${BENCH_ARGS:--md $D} 2>&1 | grep -v "load:" | tail -22 ;;
         spec) timeout 900 python3 benchmarks/spec_bench.py -m $T -md $D -n 256 2>&1 | tail -22 ;;
         graphs) timeout 300 python3 benchmarks/graph_check.py -m $T -n 128 2>&1 | tail -10 ;;
         serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients 1,4,16,64 \
