@@ -291,7 +291,12 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     break
-                queued = self._reap_cancelled()
+            # Outside the lock: ending a speculator may write its cache file.
+            for slot in self.slots:
+                if slot.handle is not None and slot.handle.cancelled:
+                    self._finish(slot, "cancelled")
+            with self._cond:
+                queued = self._admit()
             for handle in queued:
                 self._start_task(handle)
             try:
@@ -303,11 +308,8 @@ class Scheduler:
                         self._fail(slot, f"internal error: {exc}")
         self._drain("the server is shutting down")
 
-    def _reap_cancelled(self) -> list[TaskHandle]:
-        """(Under the lock.) Drop cancelled tasks; pop as many queued tasks as there are idle slots."""
-        for slot in self.slots:
-            if slot.handle is not None and slot.handle.cancelled:
-                self._finish(slot, "cancelled")
+    def _admit(self) -> list[TaskHandle]:
+        """(Under the lock.) Drop cancelled queued tasks; pop as many queued tasks as there are idle slots."""
         for handle in [h for h in self._queue if h.cancelled]:
             handle.emit(Failure("cancelled while waiting for a slot"))
         self._queue = deque(h for h in self._queue if not h.cancelled)
