@@ -10,7 +10,8 @@ import pytest
 
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
-from specserve.engine.scheduler import Chunk, Failure, Result, Scheduler, Task, TaskHandle
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.tasks import Chunk, Failure, Result, Task, TaskHandle
 from specserve.engine.text_stream import TextStream, partial_stop_len
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer

@@ -13,7 +13,6 @@ uses KV sequence i of the target runner and of the draft runner.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -26,7 +25,8 @@ import torch
 
 from specserve.engine.batch import Batch
 from specserve.engine.runner import LocalRunner
-from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.engine.sampling import Sampler
+from specserve.engine.tasks import Chunk, Event, Failure, Result, Task, TaskHandle, TokenProb
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
@@ -34,122 +34,6 @@ from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.factory import build_chain
 
 log = logging.getLogger(__name__)
-
-_task_ids = itertools.count()
-
-
-@dataclass
-class Task:
-    """One generation request, already tokenized and validated."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    spec: SpecParams
-    n_predict: int = -1  # -1: until end of generation or a full context
-    stop: list[str] = field(default_factory=list)
-    cache_prompt: bool = True
-    n_probs: int = 0  # top log-probabilities reported per generated token
-    id: int = field(default_factory=lambda: next(_task_ids))
-
-    def params_json(self) -> dict[str, object]:
-        """The task's parameters as llama-server shows them (in /slots and in responses)."""
-        s, p = self.sampling, self.spec
-        return {
-            "n_predict": self.n_predict, "seed": s.seed, "temperature": s.temperature, "top_k": s.top_k,
-            "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
-            "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
-            "cache_prompt": self.cache_prompt,
-            "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,
-            "speculative.type": p.type, "speculative.ngram_size_n": p.ngram_size_n,
-            "speculative.ngram_size_m": p.ngram_size_m, "speculative.ngram_c_rate": p.ngram_check_rate,
-            "speculative.ngram_m_hits": p.ngram_min_hits,
-        }
-
-
-# ---- what flows back to the requester ------------------------------------------------------------
-
-
-@dataclass
-class TokenProb:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely tokens at this position, best first
-
-
-@dataclass
-class Chunk:
-    """Text produced by one step (possibly several tokens when a draft was accepted)."""
-
-    text: str
-    tokens: list[int]
-    probs: list[TokenProb] | None = None
-
-
-@dataclass
-class Result:
-    """The end of a generation."""
-
-    slot: int
-    stop_type: str  # "eos", "word", "limit" (n_predict or context full), "cancelled"
-    stopping_word: str
-    n_prompt: int  # prompt tokens
-    n_cached: int  # prompt tokens reused from the slot's cache
-    n_predicted: int  # tokens generated (an end-of-generation token included)
-    prompt_ms: float
-    predicted_ms: float
-    draft_n: int
-    draft_n_accepted: int
-    context_full: bool = False
-
-    def timings(self) -> dict[str, float | int]:
-        n_eval = self.n_prompt - self.n_cached
-
-        def per(ms: float, n: int) -> tuple[float, float]:
-            return (ms / n if n else 0.0, 1000.0 * n / ms if ms > 0 else 0.0)
-
-        p_tok, p_sec = per(self.prompt_ms, n_eval)
-        g_tok, g_sec = per(self.predicted_ms, self.n_predicted)
-        return {
-            "cache_n": self.n_cached, "prompt_n": n_eval, "prompt_ms": self.prompt_ms,
-            "prompt_per_token_ms": p_tok, "prompt_per_second": p_sec, "predicted_n": self.n_predicted,
-            "predicted_ms": self.predicted_ms, "predicted_per_token_ms": g_tok, "predicted_per_second": g_sec,
-            "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
-        }
-
-
-@dataclass
-class Failure:
-    message: str
-
-
-Event = Chunk | Result | Failure
-
-
-class TaskHandle:
-    """The requester's side of a submitted task."""
-
-    def __init__(self, task: Task, emit: Callable[[Event], None], wake: Callable[[], None]):
-        self.task = task
-        self._emit = emit
-        self._wake = wake
-        self.cancelled = False
-        self.done = False
-
-    def cancel(self) -> None:
-        """Stop the task (the client went away); its slot is freed at the next step boundary."""
-        if not self.done:
-            self.cancelled = True
-            self._wake()
-
-    def emit(self, event: Event) -> None:
-        if isinstance(event, Result | Failure):
-            self.done = True
-        try:
-            self._emit(event)
-        except Exception:  # the receiver is gone (e.g. its event loop closed): nothing to tell
-            log.debug("dropped an event for task %d", self.task.id)
-
 
 # ---- slots ------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
-from specserve.engine.scheduler import Chunk, Event, Failure, Result, Task, TaskHandle
+from specserve.engine.tasks import Chunk, Event, Failure, Result, Task, TaskHandle
 from specserve.errors import SpecserveError
 from specserve.server import metrics
 from specserve.server.engine import Engine, ServerSettings

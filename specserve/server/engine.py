@@ -15,7 +15,8 @@ from typing import Any
 from specserve import catalog
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
-from specserve.engine.scheduler import Scheduler, Task
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer

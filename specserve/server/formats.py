@@ -10,7 +10,7 @@ import secrets
 import time
 from typing import Any
 
-from specserve.engine.scheduler import Chunk, Result, Task, TokenProb
+from specserve.engine.tasks import Chunk, Result, Task, TokenProb
 from specserve.server.engine import Engine
 
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
