@@ -96,6 +96,10 @@ class Engine:
                                        n_ctx=runner.n_ctx, device=settings.device, progress=progress)
             check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
+        # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
+        runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))
+        if draft_runner is not None:
+            draft_runner.warmup(max_rows=1)  # the draft model decodes one token per forward
         engine = cls(settings, path, runner, draft_runner, Tokenizer.from_gguf(runner.gguf))
         engine.scheduler.start()
         return engine
