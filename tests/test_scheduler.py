@@ -143,6 +143,18 @@ def test_prompt_cache_reuses_prefix(scheduler: Scheduler, tokenizer: Tokenizer) 
     assert isinstance(fresh[1], Result) and fresh[1].n_cached == 0
 
 
+def test_generation_stops_when_the_slot_context_is_full(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("a b c d e f g h, " * 28)
+    n_ctx = scheduler.n_ctx
+    assert n_ctx - 40 < len(prompt) < n_ctx
+    events: queue.Queue = queue.Queue()
+    scheduler.submit(Task(prompt, GREEDY, SpecParams(type="ngram-simple", ngram_size_n=3, ngram_size_m=8)), events.put)
+    _, result = wait(events)
+    assert isinstance(result, Result) and result.stop_type == "limit" and result.context_full
+    # Every position of the slot holds a token; the last generated token is emitted, never evaluated.
+    assert result.n_predicted == n_ctx - len(prompt) + 1
+
+
 def test_prompt_must_fit_the_slot(scheduler: Scheduler, tokenizer: Tokenizer) -> None:
     with pytest.raises(SpecserveError, match="does not fit"):
         submit(scheduler, tokenizer, "word " * 300)
