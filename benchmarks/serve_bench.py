@@ -219,7 +219,7 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     print_table(results)
-    model = Path(props.get("model_alias") or props.get("model_path") or args.model).stem
+    model = Path(props.get("model_alias") or props.get("model_path") or args.model).name.removesuffix(".gguf")
     device = args.device or ("remote" if args.url else "default")
     out = args.out or ROOT / "benchmarks" / "results" / f"serve_{model}_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
