@@ -1,0 +1,107 @@
+"""GGUF loading: every supported tensor type decodes in the right shape; bad files get clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from specserve.errors import SpecserveError
+from specserve.gguf.reader import GGUFFile
+from specserve.model.config import ModelConfig
+
+ROWS, COLS = 6, 512
+# Types gguf-py can quantize: the decoded tensor must be close to the original values.
+ROUND_TRIP = {Q.F32: 1e-7, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 3e-2, Q.Q4_0: 0.5, Q.Q4_1: 0.4, Q.Q5_0: 0.25,
+              Q.Q5_1: 0.2}
+# K-quants gguf-py only decodes: raw random blocks, compared with gguf's own decoding.
+RAW_ONLY = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def random_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(ROWS, COLS // block * type_size), dtype=np.uint8)
+    # keep the fp16 super-block scales finite and small: fill them with 0.01
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    blocks = raw.reshape(ROWS, -1, type_size)
+    offset = type_size - 2 if qtype == Q.Q6_K else 0  # Q6_K keeps d at the end of its block
+    blocks[:, :, offset:offset + 2] = scale
+    if qtype != Q.Q6_K:
+        blocks[:, :, 2:4] = scale  # dmin
+    return blocks.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def typed_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    path = tmp_path_factory.mktemp("gguf") / "types.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    raws = {}
+    for qtype in ROUND_TRIP:
+        if qtype in (Q.F32, Q.F16):  # plain arrays carry their own type
+            writer.add_tensor(f"t.{qtype.name}", values.astype(np.float16 if qtype == Q.F16 else np.float32))
+        else:  # bytes per row; the writer derives the element shape
+            writer.add_tensor(f"t.{qtype.name}", quantize(values, qtype), raw_dtype=qtype)
+    for qtype in RAW_ONLY:
+        raws[qtype.name] = random_blocks(qtype, rng)
+        writer.add_tensor(f"t.{qtype.name}", raws[qtype.name], raw_dtype=qtype)
+    iq = rng.integers(0, 256, size=(ROWS, COLS // 32 * 18), dtype=np.uint8)
+    writer.add_tensor("t.IQ4_NL", iq, raw_dtype=Q.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, values, raws
+
+
+@pytest.mark.parametrize("qtype", list(ROUND_TRIP))
+def test_round_trip_types(typed_file, qtype: Q) -> None:
+    path, values, _ = typed_file
+    got = GGUFFile(path).load_tensor(f"t.{qtype.name}", torch.float32)
+    assert got.shape == (ROWS, COLS)
+    assert (got - torch.from_numpy(values)).abs().max().item() < ROUND_TRIP[qtype]
+
+
+@pytest.mark.parametrize("qtype", RAW_ONLY)
+def test_k_quant_types(typed_file, qtype: Q) -> None:
+    path, _, raws = typed_file
+    got = GGUFFile(path).load_tensor(f"t.{qtype.name}", torch.float32)
+    expected = dequantize(raws[qtype.name], qtype)
+    assert got.shape == (ROWS, COLS)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+def test_compute_dtype_conversion(typed_file) -> None:
+    path, values, _ = typed_file
+    got = GGUFFile(path).load_tensor("t.Q8_0", torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - torch.from_numpy(values)).abs().max().item() < 5e-2
+
+
+def test_unsupported_tensor_type_is_named(typed_file) -> None:
+    path, _, _ = typed_file
+    with pytest.raises(SpecserveError, match="unsupported type IQ4_NL"):
+        GGUFFile(path).load_tensor("t.IQ4_NL")
+
+
+def test_missing_tensor_is_named(typed_file) -> None:
+    with pytest.raises(SpecserveError, match="missing tensor blk.0.attn_q.weight"):
+        GGUFFile(typed_file[0]).load_tensor("blk.0.attn_q.weight")
+
+
+def test_unsupported_architecture() -> None:
+    with pytest.raises(SpecserveError, match="unsupported model architecture 'gpt2'"):
+        ModelConfig.from_gguf({"general.architecture": "gpt2"}, set())
+
+
+def test_missing_metadata_is_named() -> None:
+    with pytest.raises(SpecserveError, match="llama.embedding_length"):
+        ModelConfig.from_gguf({"general.architecture": "llama"}, set())
