@@ -39,6 +39,7 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.host = torch.empty((3, max(BUCKETS)), dtype=torch.long, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the last upload from `host` has finished
 
     def supports(self, n_rows: int) -> bool:
         return bucket_for(n_rows, self.max_rows) is not None
@@ -77,14 +78,14 @@ class GraphCache:
         if rows not in self.graphs:
             self.graphs[rows] = self._capture(rows)
         graph, static_in, static_out = self.graphs[rows]
+        self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         host = self.host[:, :rows]
         host[0, :n] = torch.tensor(batch.tokens)
         host[1, :n] = torch.tensor(batch.positions)
         host[2, :n] = torch.tensor(batch.seq_ids)
         self._pad_rows(host, n)
-        # The pinned buffer is rewritten next step only after this step's results were
-        # read on the host (sampling syncs), so the asynchronous copy cannot race it.
         static_in.copy_(host, non_blocking=True)
+        self.copied.record()
         graph.replay()
         wanted = batch.logit_rows()
         if len(wanted) == n:
