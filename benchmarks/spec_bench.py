@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specserve.engine.generate import GenerationStats, generate  # noqa: E402
-from specserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from specserve.bench import greedy_decode_rate  # noqa: E402
 from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
 from specserve.session import GenerationSession  # noqa: E402
 from specserve.speculative.base import SpecParams  # noqa: E402
@@ -32,21 +30,10 @@ TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", 
 def run_type(session: GenerationSession, prompts: list[list[int]], spec_type: str, base: SpecParams,
              n_predict: int) -> dict[str, object]:
     spec = base.with_overrides(type="none" if spec_type == "draft" else spec_type)
-    totals = GenerationStats()
-    outputs = []
-    seconds = 0.0
-    for prompt in prompts:
-        draft = session.draft_runner if spec_type == "draft" else None
-        chain = build_chain(spec, draft) if spec_type != "none" else None
-        stats = GenerationStats()
-        t0 = time.perf_counter()
-        tokens = list(generate(session.runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)),
-                               is_eog=session.tokenizer.is_eog, speculator=chain, n_draft_max=spec.n_max,
-                               n_draft_min=spec.n_min, stats=stats))
-        seconds += time.perf_counter() - t0 - stats.prompt_seconds
-        outputs.append(tokens)
-        for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):
-            setattr(totals, field, getattr(totals, field) + getattr(stats, field))
+    draft = session.draft_runner if spec_type == "draft" else None
+    factory = (lambda: None) if spec_type == "none" else (lambda: build_chain(spec, draft))
+    rate, totals, outputs = greedy_decode_rate(session.runner, prompts, n_predict, session.tokenizer.is_eog,
+                                               factory, n_draft_max=spec.n_max)
     return {
         "type": spec_type,
         "generated": totals.generated,
@@ -55,7 +42,7 @@ def run_type(session: GenerationSession, prompts: list[list[int]], spec_type: st
         "draft_tokens": totals.draft_tokens,
         "draft_accepted": totals.draft_accepted,
         "acceptance_rate": round(totals.draft_accepted / totals.draft_tokens, 4) if totals.draft_tokens else None,
-        "tokens_per_s": round(totals.generated / seconds, 1),
+        "tokens_per_s": round(rate, 1),
         "outputs": outputs,
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from specserve.engine.generate import GenerationStats, generate
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.errors import SpecserveError
+from specserve.speculative.base import Chain
 
 SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
 
@@ -110,8 +112,9 @@ def bench_decode(runner: LocalRunner, n: int, context: int = 16) -> float:
     return n / elapsed
 
 
-def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict: int, is_eog,
-                       chain_factory) -> tuple[float, GenerationStats, list[list[int]]]:
+def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict: int,
+                       is_eog: Callable[[int], bool], chain_factory: Callable[[], Chain | None],
+                       n_draft_max: int = 16) -> tuple[float, GenerationStats, list[list[int]]]:
     """Decode tokens/s over prompts (prompt time excluded), summed stats, the outputs."""
     total = GenerationStats()
     outputs = []
@@ -120,7 +123,7 @@ def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict:
         stats = GenerationStats()
         chain = chain_factory()
         tokens = list(generate(runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
-                               speculator=chain, n_draft_max=16, stats=stats))
+                               speculator=chain, n_draft_max=n_draft_max, stats=stats))
         seconds += stats.decode_seconds
         outputs.append(tokens)
         for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):

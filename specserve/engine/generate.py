@@ -8,7 +8,7 @@ KV entries of the rejected positions.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,7 +82,7 @@ def generate(
     n_predict: int,
     sampler: Sampler,
     *,
-    is_eog: callable = lambda token: False,  # type: ignore[valid-type]
+    is_eog: Callable[[int], bool] = lambda token: False,
     speculator: DraftSource | None = None,
     n_draft_max: int = 16,
     n_draft_min: int = 0,
