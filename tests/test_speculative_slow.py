@@ -1,0 +1,59 @@
+"""Speculation on the Qwen2.5-Coder pair (1.5B target, 0.5B draft): every type, greedy, identical.
+
+Large models on the CPU: run with `-m slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.gguf.chat_template import apply_chat_template
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.speculative.base import SpecParams
+from specserve.speculative.draft_model import check_vocab_compatible
+from specserve.speculative.factory import build_chain
+from specserve.workloads import load_workloads
+from tests.conftest import model_path
+
+pytestmark = pytest.mark.slow
+N_PREDICT = 40
+TYPES = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LocalRunner, LocalRunner, Tokenizer, list[int]]:
+    target = LocalRunner(model_path("qwen2.5-coder-1.5b"), n_ctx=1024, device="cpu", progress=False)
+    draft = LocalRunner(model_path("qwen2.5-coder-0.5b"), n_ctx=1024, device="cpu", progress=False)
+    check_vocab_compatible(target.gguf.metadata, draft.gguf.metadata)
+    tok = Tokenizer.from_gguf(target.gguf)
+    prompt = tok.encode(apply_chat_template(tok, load_workloads()["code_edit"][1]), add_special=False)
+    return target, draft, tok, prompt
+
+
+def run(pair, spec_type: str | None) -> GenerationStats:
+    target, draft, tok, prompt = pair
+    chain = None
+    if spec_type is not None:
+        params = SpecParams(type="none" if spec_type == "draft" else spec_type, ngram_size_n=4, ngram_size_m=8)
+        chain = build_chain(params, draft if spec_type == "draft" else None)
+    stats = GenerationStats()
+    list(generate(target, prompt, N_PREDICT, Sampler(SamplingParams(temperature=0)), is_eog=tok.is_eog,
+                  speculator=chain, n_draft_max=8, stats=stats))
+    return stats
+
+
+@pytest.fixture(scope="module")
+def plain(pair) -> GenerationStats:
+    return run(pair, None)
+
+
+@pytest.mark.parametrize("spec_type", TYPES)
+def test_qwen_pair_identical(pair, plain, spec_type: str) -> None:
+    stats = run(pair, spec_type)
+    assert stats.tokens == plain.tokens
+    assert stats.draft_tokens > 0
+    if spec_type in ("ngram-simple", "ngram-cache", "draft"):
+        assert stats.target_forwards < plain.target_forwards
