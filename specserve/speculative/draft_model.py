@@ -1,9 +1,10 @@
 """Draft-model speculation: a smaller model with the same vocabulary proposes tokens.
 
-The draft keeps its own KV cache across steps: each call evaluates only the tokens that
-are new since the last call (the accepted part of the previous draft plus the newest
-sampled token), then drafts greedily until the top token's probability (among the top
-10, as llama.cpp's draft sampler computes it) falls below p_min.
+The draft keeps its own KV cache across steps and across generations: each call
+evaluates only the tokens past the longest common prefix with what its cache holds (the
+accepted part of the previous draft plus the newest sampled token; for a new prompt, its
+new suffix), then drafts greedily until the top token's probability (among the top 10,
+as llama.cpp's draft sampler computes it) falls below p_min.
 """
 
 from __future__ import annotations
@@ -58,10 +59,6 @@ class DraftModelSpeculator(Speculator):
         self.seq = seq
         self.n_batch = n_batch
         self.cached: list[int] = []  # tokens whose K/V sit in the draft's cache for `seq`
-
-    def begin(self, prompt: list[int]) -> None:
-        self.cached = []
-        self.runner.kv_truncate(self.seq, 0)
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         context = [*history, last_sampled]
