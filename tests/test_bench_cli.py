@@ -1,0 +1,33 @@
+"""`specserve bench` end to end on the CPU: the table, the JSON, and clean errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specserve.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_bench_writes_table_and_json(smollm_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = run_bench("-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
+                       "--spec-types", "ngram-simple", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "pp16" in result.stdout and "tg4 code-edit ngram-simple" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["pp16"] > 0 and data["tg4"] > 0 and data["code_edit_none"] > 0
+    assert data["decode_step_ms"] > 0 and data["verify8_step_ms"] > 0
+    spec = data["code_edit_spec"]["ngram-simple"]
+    assert spec["identical"] is True and spec["tokens_per_s"] > 0
+
+
+def test_bench_refuses_unknown_type(smollm_path: Path) -> None:
+    result = run_bench("-m", str(smollm_path), "--device", "cpu", "--spec-types", "magic", "--no-hf")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "unknown speculative type(s): magic" in result.stderr
