@@ -6,7 +6,6 @@ Sits above engine and speculative: it wires runner, tokenizer, sampler and specu
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -16,7 +15,7 @@ from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import IncrementalDecoder, Tokenizer
-from specserve.speculative.base import Chain, SpecParams, acceptance_line
+from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.draft_model import check_vocab_compatible
 from specserve.speculative.factory import build_chain
 
@@ -83,12 +82,6 @@ class GenerationSession:
         stats, chain = result
         lines = list(stats.timing_lines())
         if chain is not None:
-            lines.append(acceptance_line(stats.draft_accepted, stats.draft_tokens))
-            lines += [m.stats.line(m.name) for m in chain.members]
+            lines += chain.stat_lines()
             lines.append(f"target forward passes = {stats.target_forwards} for {stats.generated} tokens")
         return lines
-
-
-def print_lines(lines: list[str], stream: TextIO = sys.stderr) -> None:
-    for line in lines:
-        print(line, file=stream)

@@ -84,9 +84,6 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def has_tensor(self, name: str) -> bool:
-        return name in self._tensors
-
     def tensor_type(self, name: str) -> GGMLQuantizationType:
         return self._tensor(name).tensor_type
 
@@ -96,10 +93,6 @@ class GGUFFile:
 
     def n_bytes(self, name: str) -> int:
         return int(self._tensor(name).n_bytes)
-
-    def raw_tensor(self, name: str) -> np.ndarray:
-        """The tensor's bytes as stored (memory-mapped), for kernels that read quantized data."""
-        return self._tensor(name).data
 
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> torch.Tensor:
