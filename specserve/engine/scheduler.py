@@ -347,9 +347,6 @@ class Scheduler:
                 self.runner.kv_truncate(slot.id, 0)
                 self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"forward pass failed: {exc}")
             return
-        if logits.shape[0] == 0 and logits.device.type == "cuda":
-            # Nothing read back this step: wait here so the runner may reuse its input buffers.
-            torch.cuda.synchronize(logits.device)
         with self._cond:
             self.counters.n_decode += 1
             self.counters.n_busy_slots += len(plan)
