@@ -23,6 +23,7 @@ from specserve import catalog  # noqa: E402
 from specserve.bench import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth  # noqa: E402
 from specserve.engine.runner import LocalRunner, default_device, default_dtype  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
+from specserve.model.weights import WEIGHT_FORMATS, resolve_weight_format  # noqa: E402
 
 
 def main() -> None:
@@ -35,16 +36,17 @@ def main() -> None:
     ap.add_argument("--random-weights", action="store_true",
                     help="random weights in the model's shapes (no file needed; speed only)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
-    ap.add_argument("--weight-format", default="bf16", choices=["bf16", "q8"],
-                    help="q8: int8 matrices with fp16 scales per 32 weights (fused dequantize kernels)")
+    ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                    help="auto: the file's own quantization on CUDA (q8 for random weights), floats on CPU")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     n_ctx = args.pp + args.tg + 64
     if args.random_weights:
         dev = torch.device(args.device) if args.device else default_device()
         weights = random_weights(SHAPES[args.model], default_dtype(dev), dev)
+        fmt = resolve_weight_format(args.weight_format, dev)
         runner = LocalRunner.from_weights(SHAPES[args.model], weights, n_ctx=n_ctx, cuda_graphs=not args.no_graphs,
-                                          weight_format=args.weight_format)
+                                          weight_format="q8" if fmt == "gguf" else fmt)
     else:
         runner = LocalRunner(catalog.resolve(args.model), n_ctx=n_ctx, device=args.device,
                              cuda_graphs=not args.no_graphs, weight_format=args.weight_format)
@@ -54,7 +56,7 @@ def main() -> None:
     bpt = bytes_per_token(runner)
     result: dict[str, object] = {
         "model": args.model, "weights": "random" if args.random_weights else "gguf",
-        "cuda_graphs": runner.graphs is not None, "weight_format": args.weight_format,
+        "cuda_graphs": runner.graphs is not None, "weight_format": runner.weight_format,
         "device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""),
         "torch": torch.__version__, "host": platform.node(),
         f"pp{args.pp}_tokens_per_s": round(pp, 1), f"tg{args.tg}_tokens_per_s": round(tg, 1),
@@ -70,7 +72,7 @@ def main() -> None:
     width = max(len(k) for k in result)
     for k, v in result.items():
         print(f"{k:<{width}}  {v}")
-    suffix = "" if args.weight_format == "bf16" else f"_{args.weight_format}"
+    suffix = "" if args.weight_format == "auto" else f"_{args.weight_format}"
     out = Path(args.output or f"benchmarks/results/engine_{args.model}_{dev.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

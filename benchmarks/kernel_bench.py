@@ -1,4 +1,4 @@
-"""Decode-path speed on CUDA, per kernel and per model, for the bf16 and q8 weight formats.
+"""Decode-path speed on CUDA, per kernel and per model, for the float and q8 weight formats.
 
     python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices]
 
@@ -33,7 +33,7 @@ from specserve.engine.batch import Batch  # noqa: E402
 from specserve.engine.runner import LocalRunner  # noqa: E402
 from specserve.kernels import linear_triton  # noqa: E402
 from specserve.kernels.activation import silu_mul  # noqa: E402
-from specserve.kernels.linear import quantize_q8  # noqa: E402
+from specserve.kernels.linear import QuantWeight  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
@@ -101,7 +101,7 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt, triton_gemv in (("bf16", "0"), ("bf16", "1"), ("q8", "1")):
+    for fmt, triton_gemv in (("float", "0"), ("float", "1"), ("q8", "1")):
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         runner = make_runner(fmt)
         t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def section_logits() -> None:
     res = {}
     kept: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
-    for fmt in ("bf16", "q8"):
+    for fmt in ("float", "q8"):
         runner = make_runner(fmt)
         fast = greedy_logits(runner, None)
         os.environ["SPECSERVE_NO_TRITON"] = "1"
@@ -167,10 +167,10 @@ def section_logits() -> None:
         kept[fmt] = fast
         del runner
         torch.cuda.empty_cache()
-    errs = [rel(a, b) for a, b in zip(kept["q8"][0], kept["bf16"][0], strict=True)]
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["q8"][0], kept["bf16"][0], strict=True))
-    res["q8_vs_bf16"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
-                         "greedy_tokens_same": kept["q8"][1] == kept["bf16"][1]}
+    errs = [rel(a, b) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True)]
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True))
+    res["q8_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
+                         "greedy_tokens_same": kept["q8"][1] == kept["float"][1]}
     print(json.dumps(res), flush=True)
     RESULTS["logits"] = res
 
@@ -179,7 +179,7 @@ def section_profile(out_dir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     summary = {}
-    for fmt in ("bf16", "q8"):
+    for fmt in ("float", "q8"):
         runner = make_runner(fmt)
         runner.warmup(8)
         runner.kv_truncate(0, 0)
@@ -212,56 +212,88 @@ def section_profile(out_dir: Path) -> None:
     RESULTS["profile"] = summary
 
 
-def bench_matrix(name: str, ws: list[torch.Tensor], silu: bool, m: int) -> dict[str, object]:
-    """One projection: cuBLAS bf16 (with torch-side SwiGLU where fused elsewhere), Triton bf16, Triton q8."""
-    n, k = ws[0].shape
-    qs = [quantize_q8(w) for w in ws]
+# Projections of qwen2.5-coder-1.5b as its Q4_K_M file holds them: (N, K, SwiGLU input, group, has min).
+# wqkv mixes Q4_K (q, k) and Q6_K (v), so it is stacked on groups of 16 with mins.
+MATRICES = {"wqkv": (2048, 1536, False, 16, True), "wo": (1536, 1536, False, 32, True),
+            "gate_up": (17920, 1536, False, 32, True), "down_q4k": (1536, 8960, True, 32, True),
+            "down_q6k": (1536, 8960, True, 16, False), "output": (151936, 1536, False, 16, False)}
+SWEEP = {1: [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (2, 2048, 4), (4, 1024, 4), (8, 512, 4), (4, 2048, 8),
+             (8, 1024, 8), (16, 512, 8), (1, 2048, 8)],
+         8: [(1, 512, 4), (2, 256, 4), (2, 512, 4), (4, 256, 4), (1, 1024, 8), (2, 512, 8), (4, 512, 8)]}
+
+
+def quant_copies(n: int, k: int, group: int, with_min: bool) -> list[QuantWeight]:
+    per = n * k * (1 + (8 if with_min else 4) / group)
+    copies = max(1, -(-300_000_000 // int(per)))  # > L2 (60 MB), several times
+    out = []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (n, k), dtype=torch.int8, device=DEV) if with_min else \
+            torch.randint(-32, 32, (n, k), dtype=torch.int8, device=DEV)
+        scale = torch.rand(n, k // group, device=DEV) * 0.01
+        out.append(QuantWeight(q, scale, scale * 4 if with_min else None, group))
+    return out
+
+
+def timed(fn: Callable[[], object], n_calls: int, nbytes: int) -> dict[str, float | str]:
+    try:
+        fn()
+        us = graph_us(fn, n_calls)
+        return {"us": round(us, 2), "TBps": round(nbytes / us / 1e6, 2)}
+    except Exception as exc:  # one variant failing must not hide the others
+        return {"us": f"error: {exc!r}"[:300]}
+
+
+class Rotation:
+    """Cycles through copies of a weight so that each call reads it from HBM, not the L2."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.i = items, 0
+
+    def __call__(self) -> object:
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def bench_matrix(name: str, n: int, k: int, silu: bool, group: int, with_min: bool, m: int,
+                 qs: Rotation, fl: Rotation) -> dict[str, object]:
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
-    it = [0]
+    calls = 2 * len(qs.items)
+    qbytes = qs.items[0].n_bytes()
 
-    def nxt() -> int:
-        it[0] = (it[0] + 1) % len(ws)
-        return it[0]
+    def tri(blocks: dict[str, int] | None = None, magic: bool = True) -> torch.Tensor:
+        return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, magic=magic)
 
-    def cublas() -> torch.Tensor:
-        return F.linear(silu_mul(x) if silu else x, ws[nxt()])
-
-    def tri_bf16() -> torch.Tensor:
-        return linear_triton.gemv(x, ws[nxt()], None, None, silu, torch.bfloat16)
-
-    def tri_q8() -> torch.Tensor:
-        q = qs[nxt()]
-        return linear_triton.gemv(x, q.q, q.scale, None, silu, torch.bfloat16)
-
-    r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m}
-    for label, fn, nbytes in (("cublas_bf16", cublas, n * k * 2), ("triton_bf16", tri_bf16, n * k * 2),
-                              ("triton_q8", tri_q8, qs[0].n_bytes())):
-        try:
-            fn()  # tunes outside the graph
-            us = graph_us(fn, len(ws) * 2)
-            r[label + "_us"] = round(us, 2)
-            r[label + "_TBps"] = round(nbytes / us / 1e6, 2)
-        except Exception as exc:  # one variant failing must not hide the others
-            r[label + "_us"] = f"error: {exc!r}"[:200]
+    r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "group": group}
+    r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
+    r["default"] = timed(tri, calls, qbytes)
+    r["default_blocks"] = linear_triton.pick_blocks(m, n, k)
+    best: tuple[dict[str, int], float] | None = None
+    for bn, bk, nw in SWEEP[m]:
+        blocks = {"BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+        us = timed(lambda b=blocks: tri(b), calls, qbytes).get("us")
+        r[f"{bn}x{bk}w{nw}"] = us
+        if isinstance(us, float) and (best is None or us < best[1]):
+            best = (blocks, us)
+    if best:
+        r["best"] = {"blocks": best[0], "us": best[1], "TBps": round(qbytes / best[1] / 1e6, 2)}
+        r["best_no_magic"] = timed(lambda b=best[0]: tri(b, magic=False), calls, qbytes)
     return r
 
 
 def section_matrices() -> None:
-    shapes = {"wqkv": (1792, 1536, False), "wo": (1536, 1536, False), "gate_up": (17920, 1536, False),
-              "down": (1536, 8960, True), "output": (151936, 1536, False)}
+    """Each projection alone: cuBLAS bf16 vs the Triton kernel on quantized weights, per block config."""
     rows_out = []
-    for name, (n, k, silu) in shapes.items():
-        copies = max(1, -(-300_000_000 // (n * k * 2)))  # > L2 (60 MB), several times
-        ws = [(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+    for name, (n, k, silu, group, with_min) in MATRICES.items():
+        qs = Rotation(quant_copies(n, k, group, with_min))
+        fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
+                       for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
-            r = bench_matrix(name, ws, silu, m)
+            r = bench_matrix(name, n, k, silu, group, with_min, m, qs, fl)
             rows_out.append(r)
             print(json.dumps(r), flush=True)
-        del ws
+        del qs, fl
         torch.cuda.empty_cache()
-    best = {f"{bm}:{key}": str(t.cache.get(key)) for bm, t in linear_triton._TUNED.items() for key in t.cache}
     RESULTS["matrices"] = rows_out
-    RESULTS["tuned_configs"] = best
 
 
 def main() -> None:

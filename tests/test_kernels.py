@@ -101,50 +101,73 @@ def test_silu_mul(rows: int, cols: int) -> None:
 
 def test_quantize_q8_round_trip() -> None:
     from specserve.kernels import linear_triton
-    from specserve.kernels.linear import dequantize_q8, quantize_q8
+    from specserve.kernels.linear import dequantize_ref, quantize_q8
 
     # values that are exactly Q8_0 (int8 times an fp16 scale per 32) come back exactly
     q = torch.randint(-127, 128, (48, 320), dtype=torch.int8)
     q[:, ::32] = 127  # each block reaches the full range, as Q8_0's rule makes it
-    d = (torch.rand(48, 10) * 0.02 + 1e-4).half()
-    w = (q.float().view(48, 10, 32) * d.float()[..., None]).view(48, 320)
+    d = (torch.rand(48, 10) * 0.02 + 1e-4).half().float()
+    w = (q.float().view(48, 10, 32) * d[..., None]).view(48, 320)
     qw = quantize_q8(w.to(DEVICE))
     assert torch.equal(qw.q.cpu(), q) and torch.equal(qw.scale.cpu(), d)
-    assert torch.equal(dequantize_q8(qw, torch.float32).cpu(), w)
-    assert torch.equal(linear_triton.dequantize(qw.q, qw.scale, torch.float32).cpu(), w)
+    assert torch.equal(dequantize_ref(qw, torch.float32).cpu(), w)
+    assert torch.equal(linear_triton.dequantize(qw, torch.float32).cpu(), w)
     # any weights: error of one rounding step per block
     w = torch.randn(33, 64, device=DEVICE)
-    assert rel_err(dequantize_q8(quantize_q8(w), torch.float32), w) < 1e-2
+    assert rel_err(dequantize_ref(quantize_q8(w), torch.float32), w) < 1e-2
+
+
+def random_quant(n: int, k: int, group: int, with_min: bool):
+    """A QuantWeight shaped like a GGUF K-quant: small ints, fp32 scales (and mins) per group."""
+    from specserve.kernels.linear import QuantWeight
+
+    low, high = (0, 16) if with_min else (-32, 32)
+    q = torch.randint(low, high, (n, k), dtype=torch.int8, device=DEVICE)
+    scale = torch.rand(n, k // group, device=DEVICE) * 0.02 + 1e-3
+    mins = torch.rand(n, k // group, device=DEVICE) * 0.1 if with_min else None
+    return QuantWeight(q, scale, mins, group)
+
+
+@pytest.mark.parametrize("group,with_min", [(32, True), (16, False)])
+def test_dequantize_groups(group: int, with_min: bool) -> None:
+    from specserve.kernels import linear_triton
+    from specserve.kernels.linear import dequantize_ref
+
+    qw = random_quant(70, 256, group, with_min)
+    assert torch.equal(linear_triton.dequantize(qw, torch.float32), dequantize_ref(qw, torch.float32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
-@pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.parametrize("fmt", ["float", "q8", "k32min", "k16"])
 @pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
     (40, 96, False, False, False), (130, 288, True, False, False), (72, 160, False, True, False),
     (257, 64, False, False, True),
 ])
-def test_gemv(rows: int, quant: bool, n_out: int, k: int, bias: bool, silu_input: bool, out_fp32: bool) -> None:
+def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: bool, out_fp32: bool) -> None:
     from specserve.kernels import linear_triton
     from specserve.kernels.linear import linear_ref, quantize_q8
 
     x = torch.randn(rows, 2 * k if silu_input else k, device=DEVICE).to(DTYPE)
     w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
-    qw = quantize_q8(w) if quant else w
+    qw = {"float": lambda: w, "q8": lambda: quantize_q8(w), "k32min": lambda: random_quant(n_out, k, 32, True),
+          "k16": lambda: random_quant(n_out, k, 16, False)}[fmt]()
     b = torch.randn(n_out, device=DEVICE).to(DTYPE) if bias else None
     out_dtype = torch.float32 if out_fp32 else DTYPE
-    got = linear_triton.gemv(x, qw.q if quant else w, qw.scale if quant else None, b, silu_input, out_dtype,
-                             fixed_blocks=True)
-    ref = linear_ref(x.float(), qw if quant else w.float(), b.float() if bias else None, silu_input)
+    got = linear_triton.gemv(x, qw, b, silu_input, out_dtype)
+    ref = linear_ref(x.float(), qw if fmt != "float" else w.float(), b.float() if bias else None, silu_input)
     assert got.dtype == out_dtype and got.shape == (rows, n_out)
     assert rel_err(got, ref) < TOL
+    if fmt != "float":  # the plain int->float conversion gives the same products
+        plain = linear_triton.gemv(x, qw, b, silu_input, out_dtype, magic=False)
+        assert rel_err(plain, got) < 1e-6
 
 
-@pytest.mark.parametrize("weight_format", ["bf16", "q8"])
+@pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""
     import dataclasses
 
-    from specserve.kernels.linear import Q8Weight
+    from specserve.kernels.linear import QuantWeight
     from specserve.model.random_init import SHAPES, random_weights
     from specserve.model.transformer import Transformer
     from specserve.model.weights import quantize_weights
@@ -152,7 +175,7 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
     cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=128, n_heads=4, n_kv_heads=2,
                               head_dim=64, ffn=96, vocab_size=300)
     weights = quantize_weights(random_weights(cfg, DTYPE, DEVICE, seed=1), weight_format)
-    assert isinstance(weights.output, Q8Weight) == (weight_format == "q8")
+    assert isinstance(weights.output, QuantWeight) == (weight_format == "q8")
     model = Transformer(cfg, weights, 64)
     steps = [list(range(20)), [20], list(range(21, 29))]  # prefill, decode, verify
     outs: dict[str, list[torch.Tensor]] = {}

@@ -13,7 +13,7 @@ from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
 from specserve.model.config import ModelConfig
 from specserve.model.transformer import Transformer
-from specserve.model.weights import ModelWeights, load_weights, quantize_weights
+from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
 
 
 def default_device() -> torch.device:
@@ -38,23 +38,26 @@ class LocalRunner:
         dtype: torch.dtype | None = None,
         progress: bool = True,
         cuda_graphs: bool = True,
-        weight_format: str = "bf16",
+        weight_format: str = "auto",
     ):
-        """weight_format: "bf16" (matrices in `dtype`) or "q8" (int8 + fp16 scale per 32, half the bytes)."""
+        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": the file's own
+        quantization on CUDA, `dtype` floats elsewhere)."""
         gguf = GGUFFile(model_path)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or default_dtype(dev)
-        weights = load_weights(gguf, config, dt, dev, progress, weight_format)
+        self.weight_format = resolve_weight_format(weight_format, dev)
+        weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
         self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
         self.gguf: GGUFFile | None = gguf
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1,
-                     n_ctx: int | None = None, cuda_graphs: bool = True, weight_format: str = "bf16") -> LocalRunner:
+                     n_ctx: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
         """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
         quantizes their matrices in place."""
         runner = cls.__new__(cls)
+        runner.weight_format = weight_format
         runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs)
         runner.gguf = None
         return runner

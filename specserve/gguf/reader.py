@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from specserve.errors import SpecserveError
+from specserve.gguf.repack import REPACKABLE, repack
+from specserve.kernels.linear import QuantWeight
 
 GGUF_MAGIC = b"GGUF"
 
@@ -117,6 +119,20 @@ class GGUFFile:
             array = array.copy()
         tensor = torch.from_numpy(array).reshape(self.tensor_shape(name))
         return tensor.to(device=device, dtype=dtype)
+
+    def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantWeight | None:
+        """A 2-D block-quantized tensor kept quantized (exactly; see repack.py); None for other types."""
+        t = self._tensor(name)
+        shape = self.tensor_shape(name)
+        if t.tensor_type not in REPACKABLE or len(shape) != 2:
+            return None
+        try:
+            q, scale, mins = repack(t.data, t.tensor_type, shape)
+        except Exception as exc:
+            raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
+        group = shape[1] // scale.shape[1]
+        return QuantWeight(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
+                           None if mins is None else torch.from_numpy(mins).to(device), group)
 
     def _tensor(self, name: str) -> Any:
         try:

@@ -1,10 +1,14 @@
-"""Linear layers over bf16 or Q8 (int8, one fp16 scale per 32 weights) matrices.
+"""Linear layers over float matrices or group-quantized integer matrices.
 
-Q8 halves the bytes a decode step reads: at batch 1 every weight is read once per token,
-so bytes set the floor. Its Triton kernel dequantizes in registers for 1..16 rows (decode
-and verify steps) and can fuse SwiGLU into its input and the bias into its output; more
-rows (prefill) dequantize to bf16 and use cuBLAS, where arithmetic, not bytes, dominates.
+`QuantWeight` holds W = q * scale - min with q int8 and one fp32 scale (and min) per group of
+16 or 32 consecutive k. Every GGUF block format the loader reads (Q8_0, Q4_0/1, Q5_0/1,
+Q4_K, Q5_K, Q6_K) is exactly this shape, so a file's quantized matrices stay as they are on
+the GPU (specserve.gguf.repack) and a decode step reads ~1.25 bytes per weight instead of 2.
+Float matrices can be quantized with Q8_0's rule (`quantize_q8`).
 
+The Triton kernel covers 1..16 rows (decode and verify steps): it dequantizes in registers
+and can fuse SwiGLU into its input and the bias into its output. More rows (prefill)
+dequantize to the activation dtype and use cuBLAS, where arithmetic, not bytes, dominates.
 The same kernel on bf16 weights beats cuBLAS for one row on the smaller matrices (measured
 on an H200: [1536, 1536] 4.0 vs 6.8 us; benchmarks/results/kernel_notes.md), so it is used
 there; cuBLAS keeps the large ones and every multi-row bf16 product.
@@ -28,11 +32,13 @@ BF16_GEMV_MAX_WEIGHTS = 16 << 20  # one-row bf16 products up to this size run th
 
 
 @dataclass
-class Q8Weight:
-    """W ~= q * scale: q int8 [N, K], scale fp16 [N, K / 32] (one per 32 consecutive k)."""
+class QuantWeight:
+    """W = q * scale - min, per group of `group` consecutive k: q int8 [N, K]; scale, min fp32 [N, K / group]."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    min: torch.Tensor | None
+    group: int
 
     @property
     def shape(self) -> torch.Size:
@@ -43,34 +49,55 @@ class Q8Weight:
         return self.q.device
 
     def n_bytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        extra = 0 if self.min is None else self.min.numel() * 4
+        return self.q.numel() + self.scale.numel() * 4 + extra
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        return QuantWeight(self.q.to(device), self.scale.to(device),
+                           None if self.min is None else self.min.to(device), self.group)
 
 
-Weight = torch.Tensor | Q8Weight
+Weight = torch.Tensor | QuantWeight
 
 
-def quantize_q8(w: torch.Tensor, chunk_rows: int = 8192) -> Q8Weight:
-    """Q8_0's rule (d = amax / 127, q = round(w / d), d stored as fp16); a Q8_0 GGUF tensor
+def quantize_q8(w: torch.Tensor, chunk_rows: int = 8192) -> QuantWeight:
+    """Q8_0's rule (d = amax / 127, q = round(w / d), d rounded to fp16); a Q8_0 GGUF tensor
     dequantized to fp32 comes back exactly. Chunked so the fp32 temporaries stay small."""
     n, k = w.shape
     if k % Q8_BLOCK:
         raise SpecserveError(f"Q8 weights need an input size divisible by {Q8_BLOCK}, got {k}")
     q = torch.empty((n, k), dtype=torch.int8, device=w.device)
-    scale = torch.empty((n, k // Q8_BLOCK), dtype=torch.float16, device=w.device)
+    scale = torch.empty((n, k // Q8_BLOCK), dtype=torch.float32, device=w.device)
     for r in range(0, n, chunk_rows):
         blocks = w[r : r + chunk_rows].float().view(-1, k // Q8_BLOCK, Q8_BLOCK)
-        d = (blocks.abs().amax(-1) / 127.0).half()
-        df = d.float()
-        inv = torch.where(df > 0, 1.0 / df, torch.zeros_like(df))
+        d = (blocks.abs().amax(-1) / 127.0).half().float()
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q[r : r + chunk_rows] = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(-1, k)
         scale[r : r + chunk_rows] = d
-    return Q8Weight(q, scale)
+    return QuantWeight(q, scale, None, Q8_BLOCK)
 
 
-def dequantize_q8(w: Q8Weight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_ref(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale - min in fp32 (the order GGUF's own decoders use), then `dtype`."""
     n, k = w.q.shape
-    blocks = w.q.view(n, k // Q8_BLOCK, Q8_BLOCK).float() * w.scale.float()[..., None]
+    blocks = w.q.view(n, k // w.group, w.group).float() * w.scale[..., None]
+    if w.min is not None:
+        blocks = blocks - w.min[..., None]
     return blocks.view(n, k).to(dtype)
+
+
+def concat_quant(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack matrices along N (Q, K, V -> QKV) on a common group size, a zero min where one has none."""
+    group = min(p.group for p in parts)
+    has_min = any(p.min is not None for p in parts)
+
+    def expand(t: torch.Tensor | None, p: QuantWeight) -> torch.Tensor:
+        if t is None:
+            t = torch.zeros_like(p.scale)
+        return t.repeat_interleave(p.group // group, dim=1)
+
+    return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([expand(p.scale, p) for p in parts]),
+                       torch.cat([expand(p.min, p) for p in parts]) if has_min else None, group)
 
 
 def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
@@ -78,7 +105,7 @@ def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, sil
     """y = act(x) @ W^T + bias, act = silu_mul when silu_input (x is then [.., 2K]); y in out_dtype."""
     if silu_input:
         x = silu_mul_ref(x)
-    weight = dequantize_q8(w, x.dtype) if isinstance(w, Q8Weight) else w
+    weight = dequantize_ref(w, x.dtype) if isinstance(w, QuantWeight) else w
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
@@ -91,12 +118,11 @@ def _triton_gemv_bf16(rows: int, w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    quant = isinstance(w, Q8Weight)
+    quant = isinstance(w, QuantWeight)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_bf16(rows, w)):
         from specserve.kernels import linear_triton
 
-        return linear_triton.gemv(x, w.q if quant else w, w.scale if quant else None, bias, silu_input,
-                                  out_dtype or x.dtype)
+        return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
     if silu_input:
         x = silu_mul(x)
     weight = dequantize(w, x.dtype) if quant else w
@@ -104,9 +130,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def dequantize(w: Q8Weight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     if triton_enabled(w.q):
         from specserve.kernels import linear_triton
 
-        return linear_triton.dequantize(w.q, w.scale, dtype)
-    return dequantize_q8(w, dtype)
+        return linear_triton.dequantize(w, dtype)
+    return dequantize_ref(w, dtype)

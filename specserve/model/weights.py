@@ -15,14 +15,23 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.linear import Q8Weight, Weight, quantize_q8
+from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
 from specserve.model.config import ModelConfig
 
-WEIGHT_FORMATS = ("bf16", "q8")  # "bf16": matrices in the runner's dtype; "q8": int8 + fp16 scales
-# Matrices that "q8" quantizes: those with many output rows, where the fused kernel beat
-# cuBLAS bf16 on an H200 (gate_up 15.7 vs 18.7 us, output 88 vs 118 us). The others (few
-# output rows, so few programs per step) stay bf16 until a split-K kernel makes int8 pay.
-Q8_MATRICES = ("w_gate_up",)
+# "float": every matrix in the runner's dtype. "gguf": block-quantized matrices stay as in the
+# file (exact int8 + fp32 scales, ~1.25 bytes per weight; see specserve.gguf.repack). "q8": every
+# matrix quantized with Q8_0's rule from its float values (for float files and random weights).
+# "auto": "gguf" on CUDA, where a decode step is bound by bytes read; "float" elsewhere.
+WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def resolve_weight_format(weight_format: str, device: torch.device) -> str:
+    if weight_format not in WEIGHT_FORMATS:
+        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
+    if weight_format == "auto":
+        return "gguf" if device.type == "cuda" else "float"
+    return weight_format
 
 
 @dataclass
@@ -53,30 +62,37 @@ class ModelWeights:
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         for t in tensors:
-            key = t.q.data_ptr() if isinstance(t, Q8Weight) else t.data_ptr()
+            key = t.q.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
             if key not in seen:
                 seen.add(key)
-                total += t.n_bytes() if isinstance(t, Q8Weight) else t.numel() * t.element_size()
+                total += t.n_bytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
         return total
 
 
 def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
-    """Weights with the Q8_MATRICES of every layer and the output matrix in `weight_format`, in place.
+    """With "q8", every float matrix of every layer and the output matrix quantized, in place.
 
     The embedding stays a float table: one row of it is read per token.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    if weight_format == "bf16":
+    if weight_format != "q8":
         return weights
     for layer in weights.layers:
-        for name in Q8_MATRICES:
+        for name in MATRICES:
             w = getattr(layer, name)
-            if not isinstance(w, Q8Weight):
+            if not isinstance(w, QuantWeight):
                 setattr(layer, name, quantize_q8(w))
-    if not isinstance(weights.output, Q8Weight):
+    if not isinstance(weights.output, QuantWeight):
         weights.output = quantize_q8(weights.output)
     return weights
+
+
+def _fuse(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """Stack matrices along N, quantized if all parts are, else in `dtype`."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return concat_quant(parts)  # type: ignore[arg-type]
+    return torch.cat([dequantize_ref(p, dtype) if isinstance(p, QuantWeight) else p for p in parts])
 
 
 def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
@@ -94,30 +110,41 @@ def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
     return names
 
 
+MATRIX_SUFFIXES = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".attn_output.weight", ".ffn_gate.weight",
+                   ".ffn_up.weight", ".ffn_down.weight")
+
+
+def _is_matrix(name: str) -> bool:
+    return name == "output.weight" or name.endswith(MATRIX_SUFFIXES)
+
+
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str, progress: bool = True, weight_format: str = "bf16") -> ModelWeights:
-    """weight_format "q8" quantizes the Q8_MATRICES and the output matrix from fp32 dequantized
-    values (a Q8_0 file round-trips exactly); everything else is in `dtype`."""
-    if weight_format not in WEIGHT_FORMATS:
-        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
+                 device: torch.device | str, progress: bool = True, weight_format: str = "float") -> ModelWeights:
+    """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS; not "auto")."""
+    if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
+        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from float, gguf, q8)")
     names = _tensor_names(gguf, config)
-    fp32_sources = set()
-    if weight_format == "q8":
-        fp32_sources = {n for n in names if n.endswith(("ffn_gate.weight", "ffn_up.weight", "output.weight"))}
+    tied_output = config.tied_embeddings and weight_format == "gguf"
     for name in names:
         gguf.tensor_shape(name)  # a missing tensor fails here, before any work
     # Dequantization runs in numpy, which releases the GIL: threads load tensors in parallel.
     workers = min(8, os.cpu_count() or 1)
-    with tqdm(total=len(names), desc="load", unit="tensor", disable=not progress, leave=False) as bar, \
-            ThreadPoolExecutor(workers) as pool:
-        def load(name: str) -> torch.Tensor:
-            t = gguf.load_tensor(name, torch.float32 if name in fp32_sources else dtype, device)
+    with tqdm(total=len(names) + tied_output, desc="load", unit="tensor", disable=not progress,
+              leave=False) as bar, ThreadPoolExecutor(workers) as pool:
+        def load(name: str) -> Weight:
+            quant = gguf.load_quant(name, device) if weight_format == "gguf" and _is_matrix(name) else None
+            if quant is None:
+                fp32 = weight_format == "q8" and _is_matrix(name)  # quantized from exact values below
+                quant = gguf.load_tensor(name, torch.float32 if fp32 else dtype, device)
             bar.update(1)
-            return t
+            return quant
 
         t = dict(zip(names, pool.map(load, names), strict=True))
+        if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
+            t["output.weight"] = gguf.load_quant("token_embd.weight", device) or t["token_embd.weight"]
+            bar.update(1)
 
-    def opt(name: str) -> torch.Tensor | None:
+    def opt(name: str) -> Weight | None:
         return t.get(name)
 
     layers = []
@@ -129,19 +156,19 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         layers.append(
             LayerWeights(
                 attn_norm=t[p + "attn_norm.weight"],
-                wqkv=torch.cat([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]),
+                wqkv=_fuse([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]], dtype),
                 bqkv=bqkv,
                 q_norm=opt(p + "attn_q_norm.weight"),
                 k_norm=opt(p + "attn_k_norm.weight"),
                 wo=t[p + "attn_output.weight"],
                 ffn_norm=t[p + "ffn_norm.weight"],
-                w_gate_up=torch.cat([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]]),
+                w_gate_up=_fuse([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], dtype),
                 w_down=t[p + "ffn_down.weight"],
             )
         )
         for suffix in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
             del t[p + suffix]  # the fused copies replace them; free the parts now
     embed = t["token_embd.weight"]
-    output = embed if config.tied_embeddings else t["output.weight"]
+    output = t.get("output.weight", embed)
     weights = ModelWeights(embed=embed, layers=layers, out_norm=t["output_norm.weight"], output=output)
     return quantize_weights(weights, weight_format)
