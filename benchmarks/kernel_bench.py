@@ -217,9 +217,9 @@ def section_profile(out_dir: Path) -> None:
 MATRICES = {"wqkv": (2048, 1536, False, 16, True), "wo": (1536, 1536, False, 32, True),
             "gate_up": (17920, 1536, False, 32, True), "down_q4k": (1536, 8960, True, 32, True),
             "down_q6k": (1536, 8960, True, 16, False), "output": (151936, 1536, False, 16, False)}
-SWEEP = {1: [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (2, 2048, 4), (4, 1024, 4), (8, 512, 4), (4, 2048, 8),
-             (8, 1024, 8), (16, 512, 8), (1, 2048, 8)],
-         8: [(1, 512, 4), (2, 256, 4), (2, 512, 4), (4, 256, 4), (1, 1024, 8), (2, 512, 8), (4, 512, 8)]}
+# (BLOCK_N, bytes of K per step, warps, stages) for the quantized kernel; the same for any row count.
+SWEEP = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4),
+         (64, 128, 4, 3), (64, 256, 8, 3), (16, 256, 2, 4), (32, 512, 8, 3)]
 
 
 def quant_copies(n: int, k: int, group: int, with_min: bool) -> list[QuantWeight]:
@@ -254,29 +254,30 @@ class Rotation:
         return self.items[self.i]
 
 
-def bench_matrix(name: str, n: int, k: int, silu: bool, group: int, with_min: bool, m: int,
-                 qs: Rotation, fl: Rotation) -> dict[str, object]:
+def bench_matrix(name: str, n: int, k: int, silu: bool, group: int, m: int, qs: Rotation,
+                 fl: Rotation) -> dict[str, object]:
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
     calls = 2 * len(qs.items)
     qbytes = qs.items[0].n_bytes()
 
-    def tri(blocks: dict[str, int] | None = None, magic: bool = True) -> torch.Tensor:
-        return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, magic=magic)
+    def tri(blocks: dict[str, int] | None = None) -> torch.Tensor:
+        return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks)
 
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "group": group}
     r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
+    r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16), 2 * len(fl.items),
+                             n * k * 2)
     r["default"] = timed(tri, calls, qbytes)
-    r["default_blocks"] = linear_triton.pick_blocks(m, n, k)
+    r["default_blocks"] = linear_triton.pick_quant_blocks(n, k, group)
     best: tuple[dict[str, int], float] | None = None
-    for bn, bk, nw in SWEEP[m]:
-        blocks = {"BLOCK_M": m, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+    for bn, kbytes, nw, ns in SWEEP:
+        blocks = {"BLOCK_N": bn, "NG": kbytes // group, "num_warps": nw, "num_stages": ns}
         us = timed(lambda b=blocks: tri(b), calls, qbytes).get("us")
-        r[f"{bn}x{bk}w{nw}"] = us
+        r[f"{bn}x{kbytes}w{nw}s{ns}"] = us
         if isinstance(us, float) and (best is None or us < best[1]):
             best = (blocks, us)
     if best:
         r["best"] = {"blocks": best[0], "us": best[1], "TBps": round(qbytes / best[1] / 1e6, 2)}
-        r["best_no_magic"] = timed(lambda b=best[0]: tri(b, magic=False), calls, qbytes)
     return r
 
 
@@ -288,7 +289,7 @@ def section_matrices() -> None:
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
                        for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
-            r = bench_matrix(name, n, k, silu, group, with_min, m, qs, fl)
+            r = bench_matrix(name, n, k, silu, group, m, qs, fl)
             rows_out.append(r)
             print(json.dumps(r), flush=True)
         del qs, fl

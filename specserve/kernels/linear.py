@@ -17,7 +17,7 @@ there; cuBLAS keeps the large ones and every multi-row bf16 product.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,10 @@ class QuantWeight:
     scale: torch.Tensor
     min: torch.Tensor | None
     group: int
+    small: bool = field(init=False)  # every q in [-64, 63] (4- to 6-bit formats): the kernel's fast path
+
+    def __post_init__(self) -> None:
+        self.small = bool(self.q.numel() == 0 or (self.q.min() >= -64 and self.q.max() <= 63))
 
     @property
     def shape(self) -> torch.Size:

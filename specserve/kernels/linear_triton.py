@@ -1,18 +1,22 @@
-"""Triton matrix-vector kernel for 1..16 rows over group-quantized int8 or bf16 weights.
+"""Triton matrix-vector kernels for 1..16 rows: group-quantized int8 weights, or float weights.
 
-One program owns BLOCK_N output columns and BLOCK_M rows and walks all of K, so each weight
-is read from memory once per step. Multiply-adds run on CUDA cores into a register tile
-that is reduced once at the end (no reductions inside the loop). Quantized weights are
-turned into floats with the exponent trick (int + 0x4B000080 read as fp32, minus 2^23 + 128)
-instead of an int-to-float conversion, which Hopper issues at 1/8 of the FMA rate and which
-made an earlier version of this kernel conversion-bound. SwiGLU of a gate|up input
-(SILU_IN) and the bias are fused in. Block sizes come from `pick_blocks`, a table measured
-on an H200 (benchmarks/gemv_sweep.py); K and the group size are compile-time constants.
+Quantized (`_gemv_quant_kernel`): tensor cores for any row count, the rows padded to 16, so
+a verify step of 8 rows costs what a decode step costs. Each K step takes NG groups at once
+as a batched dot [NG, 16, G] x [NG, G, BLOCK_N]; the per-group scale (and min) is applied to
+the group's partial sums, so the weights enter the dot as exact small integers. Integers in
+[-64, 63] (every 4-, 5- and 6-bit GGUF format) become bf16 with no conversion instruction:
+0x4340 + q read as bf16 is 192 + q, and the 192 * sum(x) this adds is taken out with the
+min. Conversions run at 1/8 of the FMA rate on Hopper and would otherwise bound the kernel.
+
+Float weights (`_gemv_float_kernel`): one row on CUDA cores with few columns per program so
+every SM has work, more rows through a tensor-core dot. Both kernels fuse SwiGLU of a
+gate|up input (SILU_IN) and the bias.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -24,91 +28,135 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
-                 G: tl.constexpr, QUANT: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SILU_IN: tl.constexpr, MAGIC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    NG: tl.constexpr = BLOCK_K // G  # groups per K step; tiles are [.., NG, G] so a group's scale broadcasts
+def _load_x(x_ptr, offs, mask, K: tl.constexpr, SILU_IN: tl.constexpr):
+    """Activations at offs in their storage dtype; SILU_IN: silu(gate) * up of a [gate | up] row,
+    rounded to the storage dtype at each step as torch does."""
+    if SILU_IN:
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (act * up).to(x_ptr.dtype.element_ty)
+    return tl.load(x_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_quant_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
+                       G: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
+                       SMALL_Q: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     n64 = n.to(tl.int64)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.arange(0, 16)
     m_mask = m < M
     g = tl.arange(0, NG)
     j = tl.arange(0, G)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, NG, G], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + g[:, None] * G + j[None, :]
-        k_mask = k < K
-        x_offs = m[:, None, None] * stride_xm + k[None, :, :]
-        x_mask = m_mask[:, None, None] & k_mask[None, :, :]
-        if SILU_IN:  # x is [gate | up]; torch rounds silu(gate) to the storage dtype first
-            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + x_offs + K, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            xt = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        w_mask = n_mask[:, None, None] & k_mask[None, :, :]
-        w = tl.load(w_ptr + n64[:, None, None] * K + k[None, :, :], mask=w_mask, other=0)
-        if QUANT:
-            # MAGIC, exact for int8: 2^23 + 128 + q has q + 128 in its low mantissa bits
-            wf = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) if MAGIC \
-                else w.to(tl.float32)
-            grp = k0 // G + g
-            s_offs = n64[:, None] * (K // G) + grp[None, :]
-            s_mask = n_mask[:, None] & (grp < K // G)[None, :]
-            wf = wf * tl.load(s_ptr + s_offs, mask=s_mask, other=0.0)[:, :, None]
-            if HAS_MIN:
-                wf = wf - tl.load(mn_ptr + s_offs, mask=s_mask, other=0.0)[:, :, None]
-        else:
-            wf = w.to(tl.float32)
-        acc += xt[:, None, :, :] * wf[None, :, :, :]
-    y = tl.sum(tl.sum(acc, axis=3), axis=2)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, NG * G):
+        grp = k0 // G + g
+        g_mask = grp < K // G
+        x = _load_x(x_ptr, m[None, :, None] * stride_xm + grp[:, None, None] * G + j[None, None, :],
+                    g_mask[:, None, None] & m_mask[None, :, None], K, SILU_IN)  # [NG, 16, G]
+        gn_mask = g_mask[:, None, None] & n_mask[None, None, :]
+        q = tl.load(q_ptr + n64[None, None, :] * K + grp[:, None, None] * G + j[None, :, None], mask=gn_mask,
+                    other=0)  # [NG, G, BLOCK_N]
+        # SMALL_Q: 0x4340 + q read as bf16 is 192 + q, exactly
+        qb = (q.to(tl.int16) + 0x4340).to(tl.bfloat16, bitcast=True).to(x.dtype) if SMALL_Q else q.to(x.dtype)
+        part = tl.dot(x, qb)  # [NG, 16, BLOCK_N], fp32
+        s_offs = n64[None, None, :] * (K // G) + grp[:, None, None]  # [NG, 1, BLOCK_N]
+        s = tl.load(s_ptr + s_offs, mask=gn_mask, other=0.0)
+        c = 192.0 * s if SMALL_Q else tl.zeros_like(s)  # what the offset of qb adds per unit of sum(x)
+        if HAS_MIN:
+            c += tl.load(mn_ptr + s_offs, mask=gn_mask, other=0.0)
+        x_sum = tl.sum(x.to(tl.float32), axis=2)[:, :, None]  # [NG, 16, 1]
+        acc += tl.sum(part * s - x_sum * c, axis=0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # round through the activation dtype first, as F.linear(...).to(out) would
-    tl.store(out_ptr + m[:, None] * N + n[None, :], y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=out_mask)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
-def pick_blocks(rows: int, n_out: int, k: int) -> dict[str, int]:
-    """BLOCK_M/N/K and warps: a row tile of the next power of two, and per-thread work kept near
-    16 weights x rows (the accumulator lives in registers). Few output columns get narrow
-    column tiles so that every SM has programs."""
-    block_m = min(16, triton.next_power_of_2(rows))
+@triton.jit
+def _gemv_float_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SILU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    n64 = n.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xt = _load_x(x_ptr, m[:, None] * stride_xm + k[None, :], m_mask[:, None] & k_mask[None, :], K, SILU_IN)
+        w = tl.load(w_ptr + n64[:, None] * K + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        else:
+            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _float_configs(block_m: int) -> list[triton.Config]:
+    if block_m == 1:  # (BLOCK_N, BLOCK_K, warps): few columns per program keep 132 SMs busy at N=1536
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw)
+                for bn, bk, nw in [(1, 2048, 4), (2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
+                                   (16, 256, 4)]]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw, num_stages=ns)
+            for bn, bk, nw, ns in [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
+                                   (64, 128, 4, 3)]]
+
+
+def _bench(fn: Callable[[], object], quantiles: list[float] | None = None) -> float | list[float]:
+    """Shorter tuning runs than Triton's default (25 + 100 ms per config)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_FLOAT_TUNED = {bm: triton.autotune(_float_configs(bm), key=["N", "K", "SILU_IN"], do_bench=_bench)(_gemv_float_kernel)
+                for bm in (1, 16)}
+
+
+def pick_quant_blocks(n_out: int, k: int, group: int) -> dict[str, int]:
+    """BLOCK_N, groups per K step (NG), warps and stages for the quantized kernel (H200 sweep:
+    benchmarks/kernel_bench.py --sections matrices)."""
     if INTERPRET:
-        return {"BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4}
-    tile = 2048 // block_m * 4 if block_m < 4 else 2048 // block_m * 2
-    block_n = 2 if n_out <= 4096 else 4
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": max(32, tile // block_n), "num_warps": 4}
+        return {"BLOCK_N": 16, "NG": 2, "num_warps": 4}
+    return {"BLOCK_N": 32 if n_out > 4096 else 16, "NG": 256 // group, "num_warps": 4, "num_stages": 3}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-         out_dtype: torch.dtype, blocks: dict[str, int] | None = None, magic: bool = True) -> torch.Tensor:
+         out_dtype: torch.dtype, blocks: dict[str, int] | None = None) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
-    `blocks` overrides pick_blocks (the sweep benchmark); magic=False uses plain int->float."""
+    `blocks` overrides the quantized kernel's block choice (the sweep benchmark)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n_rows = x2.shape[0]
     quant = isinstance(w, QuantWeight)
-    q = w.q if quant else w
-    n_out, k = q.shape
-    group = w.group if quant else 32
-    assert n_rows <= 16 and q.is_contiguous() and x2.shape[1] == (2 * k if silu_input else k)
-    cfg = dict(blocks or pick_blocks(n_rows, n_out, k))
-    cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group)
+    n_out, k = w.shape
+    assert n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
-    scale = w.scale if quant else q
-    mins = w.min if quant and w.min is not None else scale
-    grid = (triton.cdiv(n_out, cfg["BLOCK_N"]), triton.cdiv(n_rows, cfg["BLOCK_M"]))
-    _gemv_kernel[grid](x2, q, scale, mins, bias if bias is not None else q, out, n_rows, n_out, x2.stride(0), k,
-                       G=group, QUANT=quant, HAS_MIN=quant and w.min is not None, HAS_BIAS=bias is not None,
-                       SILU_IN=silu_input, MAGIC=magic, **cfg)
+    b = bias if bias is not None else x2
+    if quant:
+        cfg = blocks or pick_quant_blocks(n_out, k, w.group)
+        mins = w.min if w.min is not None else w.scale
+        _gemv_quant_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
+            x2, w.q, w.scale, mins, b, out, n_rows, n_out, x2.stride(0), k, G=w.group, HAS_MIN=w.min is not None,
+            HAS_BIAS=bias is not None, SILU_IN=silu_input, SMALL_Q=w.small, **cfg)
+    else:
+        assert w.is_contiguous()
+        block_m = 1 if n_rows == 1 and n_out < 8192 else 16
+        args = (x2, w, b, out, n_rows, n_out, x2.stride(0), k)
+        flags = {"HAS_BIAS": bias is not None, "SILU_IN": silu_input, "BLOCK_M": block_m}
+        if INTERPRET:  # fixed blocks: the interpreter would run every config
+            _gemv_float_kernel[(triton.cdiv(n_out, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
+        else:
+            _FLOAT_TUNED[block_m][lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **flags)
     return out.view(*lead, n_out)
 
 
