@@ -44,7 +44,7 @@ def main() -> None:
     if args.random_weights:
         dev = torch.device(args.device) if args.device else default_device()
         weights = random_weights(SHAPES[args.model], default_dtype(dev), dev)
-        fmt = resolve_weight_format(args.weight_format, dev)
+        fmt = resolve_weight_format(args.weight_format)
         runner = LocalRunner.from_weights(SHAPES[args.model], weights, n_ctx=n_ctx, cuda_graphs=not args.no_graphs,
                                           weight_format="q8" if fmt == "gguf" else fmt)
     else:

@@ -175,6 +175,31 @@ def section_logits() -> None:
     RESULTS["logits"] = res
 
 
+def section_prefill() -> None:
+    """pp512 with one-row products on cuBLAS vs Triton, and the top kernels of one 512-row forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res = {}
+    for triton_gemv in ("0", "1"):
+        os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv
+        runner = make_runner("float")
+        pp = bench_prefill(runner, 512, 3)
+        runner.kv_truncate(0, 0)
+        b = Batch()
+        b.add_sequence(list(range(512)), 0, 0, "last")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            runner.forward(b)
+            torch.cuda.synchronize()
+        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
+        res[triton_gemv] = {"pp512": round(pp), "top": [(e.key[:60], round(e.device_time_total), e.count)
+                                                       for e in top]}
+        print(json.dumps(res[triton_gemv]), flush=True)
+        del runner
+        torch.cuda.empty_cache()
+    RESULTS["prefill"] = res
+
+
 def section_profile(out_dir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -313,7 +338,8 @@ def main() -> None:
             if sec == "profile":
                 section_profile(out_dir)
             else:
-                {"model": section_model, "logits": section_logits, "matrices": section_matrices}[sec]()
+                {"model": section_model, "logits": section_logits, "matrices": section_matrices,
+                 "prefill": section_prefill}[sec]()
         except Exception:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]

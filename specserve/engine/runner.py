@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -25,6 +26,15 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def freeze_gc() -> None:
+    """Move every object alive now (weights, captured graphs) out of the garbage collector's
+    view. A forward allocates many short-lived objects, and each collection would otherwise
+    walk all the long-lived ones too: with two models loaded that host time halved the
+    prefill rate on an H200 (pp512 24k vs 43k tok/s)."""
+    gc.collect()
+    gc.freeze()
+
+
 class LocalRunner:
     """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each."""
 
@@ -46,7 +56,7 @@ class LocalRunner:
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or default_dtype(dev)
-        self.weight_format = resolve_weight_format(weight_format, dev)
+        self.weight_format = resolve_weight_format(weight_format)
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
         self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
         self.gguf: GGUFFile | None = gguf
@@ -83,11 +93,13 @@ class LocalRunner:
         )
         self.seq_len = [0] * n_seqs
         self.graphs = GraphCache(self._forward_all_rows, self.device, pad_seq=n_seqs) if use_graphs else None
+        freeze_gc()
 
     def warmup(self, max_rows: int = 17) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows (no-op without graphs)."""
         if self.graphs is not None:
             self.graphs.capture_up_to(max_rows)
+            freeze_gc()
 
     @property
     def vocab_size(self) -> int:

@@ -3,15 +3,16 @@
 `QuantWeight` holds W = q * scale - min with q int8 and one fp32 scale (and min) per group of
 16 or 32 consecutive k. Every GGUF block format the loader reads (Q8_0, Q4_0/1, Q5_0/1,
 Q4_K, Q5_K, Q6_K) is exactly this shape, so a file's quantized matrices stay as they are on
-the GPU (specserve.gguf.repack) and a decode step reads ~1.25 bytes per weight instead of 2.
-Float matrices can be quantized with Q8_0's rule (`quantize_q8`).
+the GPU (specserve.gguf.repack), ~1.25 bytes per weight instead of 2. Float matrices can be
+quantized with Q8_0's rule (`quantize_q8`). (On an H200 the quantized kernel is still slower
+than bf16 for decode: benchmarks/results/kernel_notes.md, v3.)
 
 The Triton kernel covers 1..16 rows (decode and verify steps): it dequantizes in registers
 and can fuse SwiGLU into its input and the bias into its output. More rows (prefill)
 dequantize to the activation dtype and use cuBLAS, where arithmetic, not bytes, dominates.
-The same kernel on bf16 weights beats cuBLAS for one row on the smaller matrices (measured
-on an H200: [1536, 1536] 4.0 vs 6.8 us; benchmarks/results/kernel_notes.md), so it is used
-there; cuBLAS keeps the large ones and every multi-row bf16 product.
+Triton's float kernel beats cuBLAS for one row on every projection of qwen2.5-coder-1.5b
+(H200: [1536, 1536] 3.8 vs 6.4 us, [17920, 1536] 16.4 vs 17.9, [151936, 1536] 109 vs 117;
+kernel_notes.md), so one-row float products use it; cuBLAS keeps every multi-row product.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from specserve.kernels.dispatch import triton_enabled
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
-BF16_GEMV_MAX_WEIGHTS = 16 << 20  # one-row bf16 products up to this size run the Triton kernel
 
 
 @dataclass
@@ -114,16 +114,16 @@ def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, sil
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _triton_gemv_bf16(rows: int, w: torch.Tensor) -> bool:
-    """One row over a small bf16 matrix (SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs)."""
-    return rows == 1 and w.numel() <= BF16_GEMV_MAX_WEIGHTS and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
+def _triton_gemv_float(rows: int) -> bool:
+    """One row over a float matrix (SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs)."""
+    return rows == 1 and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     quant = isinstance(w, QuantWeight)
-    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_bf16(rows, w)):
+    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 
         return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)

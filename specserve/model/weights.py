@@ -18,20 +18,19 @@ from specserve.gguf.reader import GGUFFile
 from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
 from specserve.model.config import ModelConfig
 
-# "float": every matrix in the runner's dtype. "gguf": block-quantized matrices stay as in the
-# file (exact int8 + fp32 scales, ~1.25 bytes per weight; see specserve.gguf.repack). "q8": every
-# matrix quantized with Q8_0's rule from its float values (for float files and random weights).
-# "auto": "gguf" on CUDA, where a decode step is bound by bytes read; "float" elsewhere.
+# "float": every matrix in the runner's dtype (the default, "auto"). "gguf": block-quantized
+# matrices stay as in the file (exact int8 + fp32 scales, ~1.25 bytes per weight instead of 2;
+# see specserve.gguf.repack): 40% less memory, but on an H200 its kernel decodes slower than
+# bf16 (benchmarks/results/kernel_notes.md, v3). "q8": every matrix quantized with Q8_0's rule
+# from its float values (for float files and random weights).
 WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def resolve_weight_format(weight_format: str, device: torch.device) -> str:
+def resolve_weight_format(weight_format: str) -> str:
     if weight_format not in WEIGHT_FORMATS:
         raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    if weight_format == "auto":
-        return "gguf" if device.type == "cuda" else "float"
-    return weight_format
+    return "float" if weight_format == "auto" else weight_format
 
 
 @dataclass
