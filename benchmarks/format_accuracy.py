@@ -1,7 +1,7 @@
 """How far a weight format moves the model: teacher-forced top-1 agreement and logit error
 against the float weights, on the workload prompts.
 
-    python benchmarks/format_accuracy.py -m qwen2.5-coder-1.5b --formats int8,gguf [--device cpu] [-n 32]
+    python benchmarks/format_accuracy.py -m qwen2.5-coder-1.5b --formats gguf,q8 [--device cpu] [-n 32]
 
 The float model greedily continues each prompt for n tokens; each other format then scores the
 same prompt + continuation in one forward, and every position's argmax and logits are compared.
@@ -39,7 +39,7 @@ def scored_logits(runner: LocalRunner, tokens: list[int]) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
-    ap.add_argument("--formats", default="int8,gguf")
+    ap.add_argument("--formats", default="gguf,q8")
     ap.add_argument("--device", default=None)
     ap.add_argument("-n", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--prompts", type=int, default=1, help="prompts per workload category")

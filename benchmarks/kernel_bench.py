@@ -33,7 +33,7 @@ from specserve.engine.batch import Batch  # noqa: E402
 from specserve.engine.runner import LocalRunner  # noqa: E402
 from specserve.kernels import linear_triton  # noqa: E402
 from specserve.kernels.activation import silu_mul  # noqa: E402
-from specserve.kernels.linear import QuantWeight, quantize_int8_rows  # noqa: E402
+from specserve.kernels.linear import QuantWeight  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
@@ -101,7 +101,7 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt, triton_gemv in (("float", "1"), ("int8", "1")):
+    for fmt, triton_gemv in (("float", "0"), ("float", "1"), ("q8", "1")):
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         runner = make_runner(fmt)
         t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def section_logits() -> None:
     res = {}
     kept: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
-    for fmt in ("float", "int8"):
+    for fmt in ("float", "q8"):
         runner = make_runner(fmt)
         fast = greedy_logits(runner, None)
         os.environ["SPECSERVE_NO_TRITON"] = "1"
@@ -167,43 +167,12 @@ def section_logits() -> None:
         kept[fmt] = fast
         del runner
         torch.cuda.empty_cache()
-    errs = [rel(a, b) for a, b in zip(kept["int8"][0], kept["float"][0], strict=True)]
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["int8"][0], kept["float"][0], strict=True))
-    res["int8_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
-                           "greedy_tokens_same": kept["int8"][1] == kept["float"][1]}
+    errs = [rel(a, b) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True)]
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True))
+    res["q8_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
+                           "greedy_tokens_same": kept["q8"][1] == kept["float"][1]}
     print(json.dumps(res), flush=True)
     RESULTS["logits"] = res
-
-
-def bench_int8(name: str, n: int, k: int, silu: bool, m: int, fl: Rotation, qs: Rotation) -> dict[str, object]:
-    x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
-    r: dict[str, object] = {"matrix": name, "rows": m}
-    r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16), 2 * len(fl.items),
-                             n * k * 2)
-    r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
-    for magic in (True, False):
-        r[f"int8_magic{int(magic)}"] = timed(
-            lambda mg=magic: linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, magic=mg), 2 * len(qs.items),
-            n * k + 4 * n)
-    return r
-
-
-def section_int8() -> None:
-    """Each projection alone with per-row int8 weights: Triton float (bf16) vs int8, exponent trick on/off."""
-    rows_out = []
-    for name, (n, k, silu, _group, _with_min) in MATRICES.items():
-        if name == "down_q6k":  # the same shape as down_q4k once re-quantized
-            continue
-        fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
-                       for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
-        qs = Rotation([quantize_int8_rows(w) for w in fl.items] * 2)
-        for m in (1, 8):
-            r = bench_int8(name, n, k, silu, m, fl, qs)
-            rows_out.append(r)
-            print(json.dumps(r), flush=True)
-        del qs, fl
-        torch.cuda.empty_cache()
-    RESULTS["int8"] = rows_out
 
 
 def section_prefill() -> None:
@@ -370,7 +339,7 @@ def main() -> None:
                 section_profile(out_dir)
             else:
                 {"model": section_model, "logits": section_logits, "matrices": section_matrices,
-                 "prefill": section_prefill, "int8": section_int8}[sec]()
+                 "prefill": section_prefill}[sec]()
         except Exception:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]

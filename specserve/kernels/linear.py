@@ -56,11 +56,6 @@ class QuantWeight:
         extra = 0 if self.min is None else self.min.numel() * 4
         return self.q.numel() + self.scale.numel() * 4 + extra
 
-    @property
-    def per_row(self) -> bool:
-        """One scale per output row (the int8 format): the kernel scales the finished dot product."""
-        return self.group == self.q.shape[1] and self.min is None
-
     def to(self, device: torch.device | str) -> QuantWeight:
         return QuantWeight(self.q.to(device), self.scale.to(device),
                            None if self.min is None else self.min.to(device), self.group)
@@ -84,21 +79,6 @@ def quantize_q8(w: torch.Tensor, chunk_rows: int = 8192) -> QuantWeight:
         q[r : r + chunk_rows] = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(-1, k)
         scale[r : r + chunk_rows] = d
     return QuantWeight(q, scale, None, Q8_BLOCK)
-
-
-def quantize_int8_rows(w: torch.Tensor, chunk_rows: int = 8192) -> QuantWeight:
-    """Symmetric int8 with one fp32 scale per output row (amax / 127): weight-only per-channel
-    quantization. Not exact for GGUF files; its error is measured in kernel_notes.md."""
-    n, k = w.shape
-    q = torch.empty((n, k), dtype=torch.int8, device=w.device)
-    scale = torch.empty((n, 1), dtype=torch.float32, device=w.device)
-    for r in range(0, n, chunk_rows):
-        rows = w[r : r + chunk_rows].float()
-        d = rows.abs().amax(-1, keepdim=True) / 127.0
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q[r : r + chunk_rows] = (rows * inv).round().clamp(-127, 127).to(torch.int8)
-        scale[r : r + chunk_rows] = d
-    return QuantWeight(q, scale, None, k)
 
 
 def dequantize_ref(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -155,8 +135,6 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    if w.per_row:  # one broadcast multiply; rounds q * scale to dtype once, as cuBLAS then reads it
-        return w.q.to(dtype) * w.scale.to(dtype)
     if triton_enabled(w.q):
         from specserve.kernels import linear_triton
 

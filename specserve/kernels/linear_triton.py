@@ -100,41 +100,6 @@ def _gemv_float_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.cons
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _gemv_rows_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SILU_IN: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """int8 weights with one scale per output row: products accumulate in a [rows, cols, K] register
-    tile (reduced once, after the loop) and the scale multiplies the finished sums."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    n64 = n.to(tl.int64)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        xt = _load_x(x_ptr, m[:, None] * stride_xm + k[None, :], m_mask[:, None] & k_mask[None, :], K, SILU_IN)
-        q = tl.load(q_ptr + n64[:, None] * K + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        # MAGIC: 2^23 + 128 + q has q + 128 in its low mantissa bits: no int-to-float conversion
-        wf = ((q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) if MAGIC else q.to(tl.float32)
-        acc += xt.to(tl.float32)[:, None, :] * wf[None, :, :]
-    y = tl.sum(acc, axis=2) * tl.load(s_ptr + n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * N + n[None, :], y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-def _rows_configs(block_m: int) -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, warps) keeping the register tile near 32 values per thread."""
-    per = {1: [(1, 2048, 4), (2, 1024, 4), (4, 1024, 4), (2, 2048, 8)], 2: [(1, 1024, 4), (2, 512, 4), (1, 2048, 8)],
-           4: [(1, 512, 4), (2, 256, 4), (1, 1024, 8)], 8: [(1, 256, 4), (1, 512, 8), (2, 256, 8)],
-           16: [(1, 128, 4), (1, 256, 8), (2, 128, 8)]}[block_m]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw) for bn, bk, nw in per]
-
-
 def _float_configs(block_m: int) -> list[triton.Config]:
     if block_m == 1:  # (BLOCK_N, BLOCK_K, warps): few columns per program keep 132 SMs busy at N=1536
         return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw)
@@ -152,8 +117,7 @@ def _bench(fn: Callable[[], object], quantiles: list[float] | None = None) -> fl
 
 _FLOAT_TUNED = {bm: triton.autotune(_float_configs(bm), key=["N", "K", "SILU_IN"], do_bench=_bench)(_gemv_float_kernel)
                 for bm in (1, 16)}
-_ROWS_TUNED = {bm: triton.autotune(_rows_configs(bm), key=["N", "K", "SILU_IN", "MAGIC"], do_bench=_bench)(
-    _gemv_rows_kernel) for bm in (1, 2, 4, 8, 16)}
+
 
 
 def pick_quant_blocks(n_out: int, k: int, group: int) -> dict[str, int]:
@@ -165,11 +129,10 @@ def pick_quant_blocks(n_out: int, k: int, group: int) -> dict[str, int]:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-         out_dtype: torch.dtype, blocks: dict[str, int] | None = None, magic: bool = True) -> torch.Tensor:
+         out_dtype: torch.dtype, blocks: dict[str, int] | None = None) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
-    `blocks` overrides the grouped kernel's block choice (the sweep benchmark); magic=False makes
-    the per-row int8 kernel use plain int-to-float conversions (for A/B runs)."""
+    `blocks` overrides the quantized kernel's block choice (the sweep benchmark)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -180,16 +143,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
     assert n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
     b = bias if bias is not None else x2
-    if quant and w.per_row:
-        block_m = min(16, triton.next_power_of_2(n_rows))
-        args = (x2, w.q, w.scale, b, out, n_rows, n_out, x2.stride(0), k)
-        flags = {"HAS_BIAS": bias is not None, "SILU_IN": silu_input, "MAGIC": magic}
-        if INTERPRET:
-            _gemv_rows_kernel[(triton.cdiv(n_out, 4), 1)](*args, **flags, BLOCK_M=block_m, BLOCK_N=4, BLOCK_K=64)
-        else:
-            _ROWS_TUNED[block_m][lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), 1)](*args, **flags,
-                                                                                       BLOCK_M=block_m)
-    elif quant:
+    if quant:
         cfg = blocks or pick_quant_blocks(n_out, k, w.group)
         mins = w.min if w.min is not None else w.scale
         _gemv_quant_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](

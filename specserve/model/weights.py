@@ -15,18 +15,15 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_int8_rows, quantize_q8
+from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
 from specserve.model.config import ModelConfig
 
 # "float": every matrix in the runner's dtype (the default, "auto"). "gguf": block-quantized
 # matrices stay as in the file (exact int8 + fp32 scales, ~1.25 bytes per weight instead of 2;
 # see specserve.gguf.repack): 40% less memory, but on an H200 its kernel decodes slower than
 # bf16 (benchmarks/results/kernel_notes.md, v3). "q8": every matrix quantized with Q8_0's rule
-# from its float values (for float files and random weights). "int8": every matrix as int8 with
-# one fp32 scale per output row (weight-only per-channel quantization of the float values: not
-# exact, ~1 byte per weight, and a kernel that runs near the float kernel's speed per weight).
-WEIGHT_FORMATS = ("auto", "float", "gguf", "q8", "int8")
-REQUANTIZED = {"q8": quantize_q8, "int8": quantize_int8_rows}  # formats made from the float values
+# from its float values (for float files and random weights).
+WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
@@ -72,22 +69,21 @@ class ModelWeights:
 
 
 def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
-    """With "q8" or "int8", every float matrix of every layer and the output matrix quantized, in place.
+    """With "q8", every float matrix of every layer and the output matrix quantized, in place.
 
     The embedding stays a float table: one row of it is read per token.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    quantize = REQUANTIZED.get(weight_format)
-    if quantize is None:
+    if weight_format != "q8":
         return weights
     for layer in weights.layers:
         for name in MATRICES:
             w = getattr(layer, name)
             if not isinstance(w, QuantWeight):
-                setattr(layer, name, quantize(w))
+                setattr(layer, name, quantize_q8(w))
     if not isinstance(weights.output, QuantWeight):
-        weights.output = quantize(weights.output)
+        weights.output = quantize_q8(weights.output)
     return weights
 
 
@@ -125,7 +121,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str, progress: bool = True, weight_format: str = "float") -> ModelWeights:
     """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS; not "auto")."""
     if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
-        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from float, gguf, q8, int8)")
+        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from float, gguf, q8)")
     names = _tensor_names(gguf, config)
     tied_output = config.tied_embeddings and weight_format == "gguf"
     for name in names:
@@ -137,7 +133,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         def load(name: str) -> Weight:
             quant = gguf.load_quant(name, device) if weight_format == "gguf" and _is_matrix(name) else None
             if quant is None:
-                fp32 = weight_format in REQUANTIZED and _is_matrix(name)  # quantized from exact values below
+                fp32 = weight_format == "q8" and _is_matrix(name)  # quantized from exact values below
                 quant = gguf.load_tensor(name, torch.float32 if fp32 else dtype, device)
             bar.update(1)
             return quant
