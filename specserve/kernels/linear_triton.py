@@ -6,17 +6,18 @@ as a batched dot [NG, 16, G] x [NG, G, BLOCK_N]; the per-group scale (and min) i
 the group's partial sums, so the weights enter the dot as exact small integers. Integers in
 [-64, 63] (every 4-, 5- and 6-bit GGUF format) become bf16 with no conversion instruction:
 0x4340 + q read as bf16 is 192 + q, and the 192 * sum(x) this adds is taken out with the
-min. Conversions run at 1/8 of the FMA rate on Hopper and would otherwise bound the kernel.
+min. Conversions run at 1/8 of the FMA rate on Hopper. Correct, but on an H200 still 2-5x
+slower than the bf16 path per matrix (latency-bound K loops; benchmarks/results/kernel_notes.md
+v3), which is why quantized weights are an option and not the default.
 
 Float weights (`_gemv_float_kernel`): one row on CUDA cores with few columns per program so
-every SM has work, more rows through a tensor-core dot. Both kernels fuse SwiGLU of a
-gate|up input (SILU_IN) and the bias.
+every SM has work, wide matrices and more rows through a tensor-core dot; fixed blocks per
+shape (`pick_float_blocks`). Both kernels fuse SwiGLU of a gate|up input (SILU_IN) and the bias.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -100,24 +101,23 @@ def _gemv_float_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.cons
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _float_configs(block_m: int) -> list[triton.Config]:
-    if block_m == 1:  # (BLOCK_N, BLOCK_K, warps): few columns per program keep 132 SMs busy at N=1536
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw)
-                for bn, bk, nw in [(1, 2048, 4), (2, 1024, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
-                                   (16, 256, 4)]]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw, num_stages=ns)
-            for bn, bk, nw, ns in [(16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
-                                   (64, 128, 4, 3)]]
-
-
-def _bench(fn: Callable[[], object], quantiles: list[float] | None = None) -> float | list[float]:
-    """Shorter tuning runs than Triton's default (25 + 100 ms per config)."""
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
-_FLOAT_TUNED = {bm: triton.autotune(_float_configs(bm), key=["N", "K", "SILU_IN"], do_bench=_bench)(_gemv_float_kernel)
-                for bm in (1, 16)}
-
+def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, int]]:
+    """BLOCK_M and fixed blocks for the float kernel. Fixed, not timed at start-up: timing-based
+    tuning picked different blocks on different runs (wo: 1x2048 or 4x2048), hence other
+    summation orders, and greedy text could change between restarts at bf16 near-ties. These
+    are configs that tuning chose on an H200 (kernel_bench_v2.json)."""
+    cuda_cores = n_rows == 1 and n_out < 8192
+    if INTERPRET:  # the interpreter runs every program in Python: few, small ones
+        return (1 if cuda_cores else 16), {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}
+    if cuda_cores:  # few columns per program so that every SM has work
+        return 1, ({"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8} if k > 4096 else
+                   {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4})
+    # tensor-core dot with the rows padded to 16
+    if n_out > 65536:
+        return 16, {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+    if n_out >= 8192:
+        return 16, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return 16, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
 def pick_quant_blocks(n_out: int, k: int, group: int) -> dict[str, int]:
@@ -151,13 +151,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
             HAS_BIAS=bias is not None, SILU_IN=silu_input, SMALL_Q=w.small, **cfg)
     else:
         assert w.is_contiguous()
-        block_m = 1 if n_rows == 1 and n_out < 8192 else 16
-        args = (x2, w, b, out, n_rows, n_out, x2.stride(0), k)
-        flags = {"HAS_BIAS": bias is not None, "SILU_IN": silu_input, "BLOCK_M": block_m}
-        if INTERPRET:  # fixed blocks: the interpreter would run every config
-            _gemv_float_kernel[(triton.cdiv(n_out, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
-        else:
-            _FLOAT_TUNED[block_m][lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **flags)
+        block_m, cfg = pick_float_blocks(n_rows, n_out, k)
+        _gemv_float_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
+            x2, w, b, out, n_rows, n_out, x2.stride(0), k, HAS_BIAS=bias is not None, SILU_IN=silu_input,
+            BLOCK_M=block_m, **cfg)
     return out.view(*lead, n_out)
 
 
