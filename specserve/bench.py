@@ -180,14 +180,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "draft" in types and not args.model_draft:
         types.remove("draft")
     session = GenerationSession.load(args.model, draft_model=args.model_draft, device=args.device,
-                                     n_ctx=max(args.ctx_size or 0, args.n_prompt + 64, 4096))
+                                     n_ctx=max(args.ctx_size or 0, args.n_prompt + 64, 4096),
+                                     weight_format=args.weight_format)
     runner = session.runner
     for r in (runner, session.draft_runner):
         if r is not None:
             r.warmup(17)
     rows: list[tuple[str, float, str]] = []
     result: dict[str, object] = {"model": args.model or catalog.DEFAULT_MODEL, "device": str(runner.device),
-                                 "dtype": str(runner.dtype).replace("torch.", "")}
+                                 "dtype": str(runner.dtype).replace("torch.", ""),
+                                 "weight_format": runner.weight_format}
     pp = bench_prefill(runner, args.n_prompt)
     rows.append((f"pp{args.n_prompt}", pp, ""))
     tg = bench_decode(runner, args.n_gen)

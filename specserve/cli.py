@@ -16,6 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size per sequence (default: min(model, 4096))")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
+    p.add_argument("--weight-format", default="auto", choices=["auto", "float", "gguf", "q8"],
+                   help="matrices in memory: float (auto), gguf = the file's own quantization kept exactly "
+                        "(~40%% less memory than bf16, slower decode today), q8 = Q8_0-style int8")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -31,12 +31,13 @@ class GenerationSession:
     @classmethod
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
-             progress: bool = True) -> GenerationSession:
-        runner = LocalRunner(catalog.resolve(model), n_ctx=n_ctx, device=device, progress=progress)
+             progress: bool = True, weight_format: str = "auto") -> GenerationSession:
+        runner = LocalRunner(catalog.resolve(model), n_ctx=n_ctx, device=device, progress=progress,
+                             weight_format=weight_format)
         draft_runner = None
         if draft_model is not None:
             draft_runner = LocalRunner(catalog.resolve(draft_model), n_ctx=runner.n_ctx, device=device,
-                                       progress=progress)
+                                       progress=progress, weight_format=weight_format)
             check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
         return cls(runner, Tokenizer.from_gguf(runner.gguf), sampling or SamplingParams(),
                    (spec or SpecParams()).validate(), draft_runner)
@@ -46,7 +47,8 @@ class GenerationSession:
         from specserve.cli import sampling_params_from_args, spec_params_from_args
 
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
-                        draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device)
+                        draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
+                        weight_format=args.weight_format)
 
     def prompt_tokens(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:

@@ -50,6 +50,7 @@ def test_bad_flags(smollm_path: Path) -> None:
     assert_clean_error(run_cli("generate", "-p", "hi", "--spec-type", "magic"), "unknown speculative type")
     assert_clean_error(run_cli("generate", "-p", "hi", "--spec-ngram-size-n", "0"), "ngram_size_n")
     assert_clean_error(run_cli("generate", "-p", "hi", "--top-p", "7"), "top_p")
+    assert_clean_error(run_cli("generate", "-p", "hi", "--weight-format", "fp4"), "invalid choice")
 
 
 def test_models_list_and_path(smollm_path: Path) -> None:

@@ -3,6 +3,8 @@ model loaded that way computes what the float path computes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +81,28 @@ def test_gguf_format_matches_float(smollm_path: Path) -> None:
         logits.append(runner.forward(batch))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-3)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_generate_cli_gguf_format_same_text() -> None:
+    """`--weight-format gguf` from the command line: the same greedy text as float weights."""
+    texts = []
+    for fmt in ("float", "gguf"):
+        result = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "-p", "The capital of France is",
+                                 "-n", "12", "--temp", "0", "--device", "cpu", "--weight-format", fmt],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        texts.append(result.stdout)
+    assert texts[0].strip() and texts[0] == texts[1]
+
+
+def test_server_engine_weight_format(smollm_path: Path) -> None:
+    """The server's settings reach its runner: `specserve serve --weight-format gguf`."""
+    from specserve.server.engine import Engine, ServerSettings
+
+    engine = Engine.load(ServerSettings(model=str(smollm_path), n_parallel=1, device="cpu", weight_format="gguf"),
+                         progress=False)
+    try:
+        assert engine.scheduler.runner.weight_format == "gguf"
+        assert isinstance(engine.scheduler.runner.weights.layers[0].wo, QuantWeight)
+    finally:
+        engine.shutdown()

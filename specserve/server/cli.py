@@ -84,6 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         n_batch=args.batch_size, n_predict=args.n_predict, device=args.device, alias=args.alias,
+        weight_format=args.weight_format,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
     )
     check_settings(settings)

@@ -40,6 +40,7 @@ class ServerSettings:
     n_batch: int = 512
     n_predict: int = -1
     device: str | None = None
+    weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
     alias: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
@@ -89,11 +90,12 @@ class Engine:
         n_ctx = settings.slot_ctx()
         path = catalog.resolve(settings.model)
         runner = LocalRunner(path, n_seqs=settings.n_parallel, n_ctx=n_ctx, device=settings.device,
-                             progress=progress)
+                             progress=progress, weight_format=settings.weight_format)
         draft_runner = None
         if settings.model_draft is not None:
             draft_runner = LocalRunner(catalog.resolve(settings.model_draft), n_seqs=settings.n_parallel,
-                                       n_ctx=runner.n_ctx, device=settings.device, progress=progress)
+                                       n_ctx=runner.n_ctx, device=settings.device, progress=progress,
+                                       weight_format=settings.weight_format)
             check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
