@@ -111,12 +111,8 @@ def test_cli_errors(tmp_path: Path) -> None:
             parse(argv)
 
 
-def test_cli_create_and_stats_with_the_default_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("specserve.gguf.tokenizer")
-    from specserve import catalog
-
-    if not catalog.is_installed(catalog.DEFAULT_MODEL):
-        pytest.skip(f"{catalog.DEFAULT_MODEL} is not installed")
+def test_cli_create_and_stats_with_the_default_model(smollm_path: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 20, encoding="utf-8")
     static = tmp_path / "static.bin"

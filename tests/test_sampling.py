@@ -347,7 +347,6 @@ def test_validate_accepts_edges() -> None:
         assert params.validate() is params
 
 
-@pytest.mark.gpu
 def test_cuda_verify_equals_sequential_sampling() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

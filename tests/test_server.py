@@ -180,8 +180,10 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4, 5,", REPEATING]
     spec = {"speculative.type": "ngram-simple", "speculative.ngram_size_n": 3, "speculative.ngram_size_m": 8}
     bodies = [{"cache_prompt": False}, {}, {}, spec, spec]
+    start = metrics(server)
     alone = [server.complete(p, n_predict=12, **b)["content"] for p, b in zip(prompts, bodies, strict=True)]
     before = metrics(server)
+    alone_decodes = before[("llamacpp:n_decode_total", ())] - start[("llamacpp:n_decode_total", ())]
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda pb: server.complete(pb[0], n_predict=12, **pb[1]),
                                  zip(prompts, bodies, strict=True)))
@@ -189,8 +191,8 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
     assert len({r["id_slot"] for r in together}) == N_SLOTS  # every slot took part
     after = metrics(server)
     decodes = after[("llamacpp:n_decode_total", ())] - before[("llamacpp:n_decode_total", ())]
-    tokens = sum(r["tokens_predicted"] for r in together)
-    assert decodes < tokens * 0.7, "slots were not decoded together in shared forward passes"
+    # the same requests one after another, as measured above: shared passes need at most half as many
+    assert 2 * decodes <= alone_decodes, f"{decodes} passes together vs {alone_decodes} one at a time"
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
