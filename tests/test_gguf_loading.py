@@ -9,32 +9,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.model.config import ModelConfig
+from tests.gguf_blocks import K_QUANTS, raw_blocks
 
 ROWS, COLS = 6, 512
 # Types gguf-py can quantize: the decoded tensor must be close to the original values.
 ROUND_TRIP = {Q.F32: 1e-7, Q.F16: 2e-3, Q.BF16: 2e-2, Q.Q8_0: 3e-2, Q.Q4_0: 0.5, Q.Q4_1: 0.4, Q.Q5_0: 0.25,
               Q.Q5_1: 0.2}
 # K-quants gguf-py only decodes: raw random blocks, compared with gguf's own decoding.
-RAW_ONLY = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-
-
-def random_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(ROWS, COLS // block * type_size), dtype=np.uint8)
-    # keep the fp16 super-block scales finite and small: fill them with 0.01
-    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    blocks = raw.reshape(ROWS, -1, type_size)
-    offset = type_size - 2 if qtype == Q.Q6_K else 0  # Q6_K keeps d at the end of its block
-    blocks[:, :, offset:offset + 2] = scale
-    if qtype != Q.Q6_K:
-        blocks[:, :, 2:4] = scale  # dmin
-    return blocks.reshape(ROWS, -1)
+RAW_ONLY = K_QUANTS
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +37,7 @@ def typed_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarr
         else:  # bytes per row; the writer derives the element shape
             writer.add_tensor(f"t.{qtype.name}", quantize(values, qtype), raw_dtype=qtype)
     for qtype in RAW_ONLY:
-        raws[qtype.name] = random_blocks(qtype, rng)
+        raws[qtype.name] = raw_blocks(qtype, rng, ROWS, COLS)
         writer.add_tensor(f"t.{qtype.name}", raws[qtype.name], raw_dtype=qtype)
     iq = rng.integers(0, 256, size=(ROWS, COLS // 32 * 18), dtype=np.uint8)
     writer.add_tensor("t.IQ4_NL", iq, raw_dtype=Q.IQ4_NL)

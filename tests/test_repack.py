@@ -11,36 +11,20 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from specserve.engine.batch import Batch
 from specserve.engine.runner import LocalRunner
 from specserve.gguf.repack import REPACKABLE, repack
 from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref
+from tests.gguf_blocks import raw_blocks
 
 ROWS, COLS = 6, 512
 
 
-def raw_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Blocks of every kind: gguf-py quantizes the simple formats; K-quants get random bytes
-    with small finite fp16 scales (gguf-py can only decode those)."""
-    values = rng.standard_normal((ROWS, COLS)).astype(np.float32)
-    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return quantize(values, qtype)
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(ROWS, COLS // 256, type_size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    d_at = type_size - 2 if qtype == Q.Q6_K else 0
-    blocks[:, :, d_at:d_at + 2] = scale
-    if qtype != Q.Q6_K:
-        blocks[:, :, 2:4] = scale  # dmin
-    return blocks.reshape(ROWS, -1)
-
-
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE, key=lambda t: t.name))
 def test_repack_is_exact(qtype: Q) -> None:
-    raw = raw_blocks(qtype, np.random.default_rng(int(qtype)))
+    raw = raw_blocks(qtype, np.random.default_rng(int(qtype)), ROWS, COLS)
     q, scale, mins = repack(raw, qtype, (ROWS, COLS))
     w = QuantWeight(torch.from_numpy(q), torch.from_numpy(scale), None if mins is None else torch.from_numpy(mins),
                     COLS // scale.shape[1])
@@ -54,7 +38,7 @@ def test_concat_mixed_groups() -> None:
     rng = np.random.default_rng(3)
     parts = []
     for qtype in (Q.Q4_K, Q.Q6_K):
-        raw = raw_blocks(qtype, rng)
+        raw = raw_blocks(qtype, rng, ROWS, COLS)
         q, scale, mins = repack(raw, qtype, (ROWS, COLS))
         parts.append(QuantWeight(torch.from_numpy(q), torch.from_numpy(scale),
                                  None if mins is None else torch.from_numpy(mins), COLS // scale.shape[1]))
