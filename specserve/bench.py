@@ -16,18 +16,11 @@ from pathlib import Path
 import torch
 
 from specserve.engine.batch import Batch
-from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.generate import GenerationStats, generate, sync
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.errors import SpecserveError
-from specserve.speculative.base import Chain
-
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from specserve.speculative.base import SPEC_TYPES, Chain
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:
@@ -156,7 +149,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-md", "--model-draft", default=None, help="draft model for the `draft` row")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
-    p.add_argument("--spec-types", default=",".join(SPEC_TYPES[1:]), help="types to time on the code-edit prompts")
+    p.add_argument("--spec-types", default=",".join(t for t in SPEC_TYPES if t != "none"),
+                   help="types to time on the code-edit prompts")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--prompts", default=None, help="workload JSON (default: ../shared/workloads/prompts.json)")
     p.add_argument("-o", "--output", default=None, help="JSON file (default: benchmarks/results/bench_<model>.json)")

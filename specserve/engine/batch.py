@@ -46,3 +46,13 @@ class Batch:
 
     def logit_rows(self) -> list[int]:
         return [i for i, want in enumerate(self.want_logits) if want]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (KV-cache reuse)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -80,9 +80,7 @@ class GraphCache:
         graph, static_in, static_out = self.graphs[rows]
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         host = self.host[:, :rows]
-        host[0, :n] = torch.tensor(batch.tokens)
-        host[1, :n] = torch.tensor(batch.positions)
-        host[2, :n] = torch.tensor(batch.seq_ids)
+        host[:, :n] = torch.tensor((batch.tokens, batch.positions, batch.seq_ids))
         self._pad_rows(host, n)
         static_in.copy_(host, non_blocking=True)
         self.copied.record()

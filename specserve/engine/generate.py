@@ -53,7 +53,8 @@ class GenerationStats:
                 line("       eval time", self.decode_seconds, self.generated)]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (timings), a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -103,7 +104,7 @@ def generate(
     logits = prefill(runner, seq, prompt, n_batch)
     sampler.reset(prompt)
     token = sampler.sample(logits)
-    _sync(device)
+    sync(device)
     stats.prompt_tokens = len(prompt)
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -147,7 +148,7 @@ def generate(
                 stats.draft_accepted += n_acc
                 runner.kv_truncate(seq, len(history) + n_acc)
     finally:
-        _sync(device)
+        sync(device)
         stats.decode_seconds = time.perf_counter() - t0
         if speculator is not None:
             speculator.end()

@@ -67,7 +67,7 @@ class LocalRunner:
         """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
         quantizes their matrices in place."""
         runner = cls.__new__(cls)
-        runner.weight_format = weight_format
+        runner.weight_format = resolve_weight_format(weight_format)
         runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs)
         runner.gguf = None
         return runner
@@ -107,8 +107,8 @@ class LocalRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
-        self._check(batch)
         runs = batch.runs()
+        self._check(batch, runs)
         if self.graphs is not None and self.graphs.supports(len(batch)):
             logits = self.graphs.run(batch)
         else:
@@ -131,11 +131,11 @@ class LocalRunner:
         with torch.inference_mode():
             return self.model.forward(tokens, positions, seq_ids, rows, runs, self.kv)
 
-    def _check(self, batch: Batch) -> None:
+    def _check(self, batch: Batch, runs: list[tuple[int, int, int, int]]) -> None:
         if len(batch) == 0:
             raise SpecserveError("empty batch")
         seen: set[int] = set()
-        for seq, start, end, kv_len in batch.runs():
+        for seq, start, end, kv_len in runs:
             if not 0 <= seq < self.n_seqs:
                 raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
             if seq in seen:

@@ -18,12 +18,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
 
-from specserve.engine.batch import Batch
+from specserve.engine.batch import Batch, common_prefix
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler
 from specserve.engine.tasks import Chunk, Event, Failure, Result, Task, TaskHandle, TokenProb
@@ -64,7 +64,7 @@ class Slot:
     stream: TextStream | None = None
     # speculator, kept across tasks while the speculative parameters stay the same
     chain: Chain | None = None
-    chain_key: tuple | None = None
+    chain_key: SpecParams | None = None
     use_chain: bool = False  # the current task speculates
     spec_seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # member -> (gen, acc) counted
 
@@ -72,15 +72,6 @@ class Slot:
     def task(self) -> Task:
         assert self.handle is not None
         return self.handle.task
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---- counters read by /metrics -------------------------------------------------------------------
@@ -250,7 +241,7 @@ class Scheduler:
     def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
         if spec.n_max == 0:
             return  # speculation off for this task; keep the slot's chain for later tasks
-        key = tuple(sorted(spec.__dict__.items()))
+        key = replace(spec, n_max=0, n_min=0)  # draft limits are passed per draft() call
         if key != slot.chain_key:
             slot.chain = build_chain(spec, self.draft_runner, seq=slot.id)
             slot.chain_key = key

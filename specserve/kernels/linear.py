@@ -48,17 +48,9 @@ class QuantWeight:
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
     def n_bytes(self) -> int:
         extra = 0 if self.min is None else self.min.numel() * 4
         return self.q.numel() + self.scale.numel() * 4 + extra
-
-    def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.q.to(device), self.scale.to(device),
-                           None if self.min is None else self.min.to(device), self.group)
 
 
 Weight = torch.Tensor | QuantWeight

@@ -73,9 +73,7 @@ def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
 
     The embedding stays a float table: one row of it is read per token.
     """
-    if weight_format not in WEIGHT_FORMATS:
-        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
-    if weight_format != "q8":
+    if resolve_weight_format(weight_format) != "q8":
         return weights
     for layer in weights.layers:
         for name in MATRICES:
@@ -119,9 +117,8 @@ def _is_matrix(name: str) -> bool:
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str, progress: bool = True, weight_format: str = "float") -> ModelWeights:
-    """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS; not "auto")."""
-    if weight_format not in WEIGHT_FORMATS or weight_format == "auto":
-        raise SpecserveError(f"unknown weight format '{weight_format}' (choose from float, gguf, q8)")
+    """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS)."""
+    weight_format = resolve_weight_format(weight_format)
     names = _tensor_names(gguf, config)
     tied_output = config.tied_embeddings and weight_format == "gguf"
     for name in names:

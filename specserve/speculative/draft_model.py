@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specserve.engine.batch import Batch
+from specserve.engine.batch import Batch, common_prefix
 from specserve.engine.generate import prefill
 from specserve.engine.runner import LocalRunner
 from specserve.errors import SpecserveError
@@ -64,20 +64,16 @@ class DraftModelSpeculator(Speculator):
         context = [*history, last_sampled]
         if len(context) + n_max > self.runner.n_ctx:
             return []
-        keep = 0
-        for a, b in zip(self.cached, context, strict=False):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(context) - 1)  # always evaluate at least the newest token
+        keep = min(common_prefix(self.cached, context), len(context) - 1)  # always evaluate at least the newest token
         self.runner.kv_truncate(self.seq, keep)
         logits = prefill(self.runner, self.seq, context, self.n_batch, start=keep)
         self.cached = context
         draft: list[int] = []
         while True:
-            top = torch.topk(logits.float(), TOP_K)
+            top = torch.topk(logits, TOP_K)  # the runner's logits are fp32
             probs = torch.softmax(top.values, dim=-1)
-            p, token = probs[0].item(), int(top.indices[0].item())
+            p, token = torch.stack((probs[0], top.indices[0].to(probs.dtype))).tolist()  # one transfer
+            token = int(token)
             if p < self.p_min:
                 break
             draft.append(token)
