@@ -37,7 +37,7 @@ def main() -> None:
                     help="random weights in the model's shapes (no file needed; speed only)")
     ap.add_argument("--no-graphs", action="store_true", help="disable CUDA graphs")
     ap.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
-                    help="auto: the file's own quantization on CUDA (q8 for random weights), floats on CPU")
+                    help="auto = float; gguf keeps the file's quantized matrices (q8 with --random-weights)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     n_ctx = args.pp + args.tg + 64

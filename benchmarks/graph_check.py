@@ -2,9 +2,10 @@
 
     python benchmarks/graph_check.py -m smollm2-135m [-n 64]
 
-For each prompt, generates greedily under three set-ups on the GPU and reports whether the
-token sequences are identical; where they diverge, the logit margin between the top two
-tokens of the reference at that step (a near-tie explains a bf16 rounding divergence).
+For the first workload prompt of each category (chat-templated), generates greedily under
+three set-ups on the GPU and reports whether the token sequences are identical; where they
+diverge, the logit margin between the top two tokens of the reference at that step
+(a near-tie explains a bf16 rounding divergence).
 Also prints decode tokens/s of each set-up. Writes JSON to benchmarks/results/.
 """
 
@@ -25,12 +26,15 @@ from specserve import catalog  # noqa: E402
 from specserve.engine.batch import Batch  # noqa: E402
 from specserve.engine.generate import prefill  # noqa: E402
 from specserve.engine.runner import LocalRunner  # noqa: E402
+from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
+from specserve.gguf.tokenizer import Tokenizer  # noqa: E402
+from specserve.workloads import load_workloads  # noqa: E402
 
-PROMPTS = [
-    [1, 504, 3458, 314, 4234, 28, 9175, 30],
-    [1, 2193, 253, 655, 28, 17, 28, 198, 1209, 6012],
-    [1, 17, 28, 198, 1209, 6012, 1008, 442, 253, 1616, 3112, 30, 4234, 28],
-]
+
+def workload_prompts(runner: LocalRunner) -> list[list[int]]:
+    """The first prompt of each workload category, chat-templated and tokenized for this model."""
+    tok = Tokenizer.from_gguf(runner.gguf)
+    return [tok.encode(apply_chat_template(tok, msgs[0]), add_special=False) for msgs in load_workloads().values()]
 
 
 def greedy_with_logits(runner: LocalRunner, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor], float]:
@@ -56,21 +60,18 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()
     base = LocalRunner(catalog.resolve(args.model), n_ctx=1024, device="cuda", progress=False)
-    setups = {}
-    os.environ["SPECSERVE_NO_TRITON"] = "1"
-    setups["torch-eager"] = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
-    os.environ["SPECSERVE_NO_TRITON"] = "0"
-    setups["triton-eager"] = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
-    setups["triton-graphs"] = base
+    eager = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
+    # the torch references or the Triton kernels are chosen per run by SPECSERVE_NO_TRITON below
+    setups = {"torch-eager": eager, "triton-eager": eager, "triton-graphs": base}
     report: dict[str, object] = {"model": args.model, "n": args.n, "prompts": []}
-    for prompt in PROMPTS:
+    for prompt in workload_prompts(base):
         runs = {}
         for name, runner in setups.items():
             os.environ["SPECSERVE_NO_TRITON"] = "1" if name == "torch-eager" else "0"
             greedy_with_logits(runner, prompt, 4)  # warm-up (graph capture, compiles)
             runs[name] = greedy_with_logits(runner, prompt, args.n)
         ref_tokens, ref_logits, _ = runs["torch-eager"]
-        entry: dict[str, object] = {"prompt": prompt}
+        entry: dict[str, object] = {"prompt_tokens": len(prompt)}
         for name, (tokens, _logits, tps) in runs.items():
             same = tokens == ref_tokens
             info: dict[str, object] = {"identical": same, "tokens_per_s": round(tps, 1)}

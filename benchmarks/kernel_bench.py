@@ -1,14 +1,15 @@
 """Decode-path speed on CUDA, per kernel and per model, for the float and q8 weight formats.
 
-    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices]
+    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill]
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
 logits:   kernels on vs the torch references (SPECSERVE_NO_TRITON=1) on one model, per format,
           and q8 against bf16: relative error and greedy-token agreement (teacher-forced).
 profile:  per-kernel GPU time of one decode step (torch.profiler over graph replays).
-matrices: each projection alone (cuBLAS bf16 vs Triton bf16 vs Triton q8), weights rotated
-          through more than the L2 so each call reads from HBM.
+matrices: each projection alone (cuBLAS bf16, Triton bf16, and the quantized kernel over a
+          sweep of blocks), weights rotated through more than the L2 so each call reads from HBM.
+prefill:  pp512 with one-row products on cuBLAS vs Triton, and the top kernels of a 512-row forward.
 Random weights in qwen2.5-coder-1.5b's shapes. Prints tables; writes JSON and text to --out.
 """
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.engine_bench import bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
+from specserve.bench import bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
 from specserve.engine.batch import Batch  # noqa: E402
 from specserve.engine.runner import LocalRunner  # noqa: E402
 from specserve.kernels import linear_triton  # noqa: E402
