@@ -218,10 +218,4 @@ def listing() -> list[dict[str, object]]:
     return rows
 
 
-def remove(name: str) -> None:
-    path = model_file(name)
-    for p in (path, _stamp_path(path)):
-        p.unlink(missing_ok=True)
-
-
-__all__ = ["DEFAULT_MODEL", "MODELS", "cache_dir", "listing", "lookup", "pull", "remove", "resolve"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "cache_dir", "listing", "lookup", "pull", "resolve"]

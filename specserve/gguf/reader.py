@@ -76,25 +76,12 @@ class GGUFFile:
             if t.data_offset + t.n_bytes > file_size:
                 raise SpecserveError(f"{self.path} is truncated: tensor {t.name} runs past the end of the file")
 
-    @property
-    def architecture(self) -> str:
-        arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
-            raise SpecserveError(f"{self.path}: missing general.architecture")
-        return arch
-
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
-
-    def tensor_type(self, name: str) -> GGMLQuantizationType:
-        return self._tensor(name).tensor_type
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Shape in torch order (GGUF lists dimensions fastest-first; we reverse them)."""
         return tuple(int(d) for d in reversed(self._tensor(name).shape))
-
-    def n_bytes(self, name: str) -> int:
-        return int(self._tensor(name).n_bytes)
 
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> torch.Tensor:

@@ -150,7 +150,6 @@ class Tokenizer:
                 pre,
             )
             pre_tok = _GPT2
-        self.pre_tokenizer_name = pre
 
         self.bos_id: int | None = _optional_id(metadata, "tokenizer.ggml.bos_token_id", n_vocab)
         self.eos_id: int | None = _optional_id(metadata, "tokenizer.ggml.eos_token_id", n_vocab)
