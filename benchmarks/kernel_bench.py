@@ -1,13 +1,15 @@
-"""Decode-path speed on CUDA, per kernel and per model, for the float and q8 weight formats.
+"""Decode-path speed on CUDA, per kernel and per model, for bf16 and GGUF-quantized weights.
 
     python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill]
+    (--compile-shard I/N fills Triton's cache for the matrices sweep: run N at once before it)
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
 logits:   kernels on vs the torch references (SPECSERVE_NO_TRITON=1) on one model, per format,
-          and q8 against bf16: relative error and greedy-token agreement (teacher-forced).
+          and gguf_like (random weights quantized in the real Q4_K_M file's layout) against bf16:
+          relative error and greedy-token agreement (teacher-forced).
 profile:  per-kernel GPU time of one decode step (torch.profiler over graph replays).
-matrices: each projection alone (cuBLAS bf16, Triton bf16, and the quantized kernel over a
+matrices: each projection alone (cuBLAS bf16, Triton bf16, and the quantized kernels over a
           sweep of blocks), weights rotated through more than the L2 so each call reads from HBM.
 prefill:  pp512 with one-row products on cuBLAS vs Triton, and the top kernels of a 512-row forward.
 Random weights in qwen2.5-coder-1.5b's shapes. Prints tables; writes JSON and text to --out.
@@ -36,11 +38,13 @@ from specserve.kernels import linear_triton  # noqa: E402
 from specserve.kernels.activation import silu_mul  # noqa: E402
 from specserve.kernels.linear import QuantWeight  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
+from specserve.model.weights import ModelWeights  # noqa: E402
 
 MODEL = "qwen2.5-coder-1.5b"
 CFG = SHAPES[MODEL]
 DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
+COMPILE_ONLY = False
 
 
 def graph_us(fn: Callable[[], object], calls: int, reps: int = 30) -> float:
@@ -80,8 +84,34 @@ def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDA
     return graph
 
 
+def quantize_groups(w: torch.Tensor, bits: int, group: int) -> QuantWeight:
+    """Min-max quantization per group (as Q4_1 does), for random weights laid out like a GGUF file's."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // group, group)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-8)
+    u = ((blocks - lo[..., None]) / scale[..., None]).round().view(n, k).to(torch.uint8)
+    return QuantWeight.from_ints(u, scale, -lo, group)
+
+
+def gguf_like(weights: ModelWeights) -> ModelWeights:
+    """Matrices quantized as qwen2.5-coder-1.5b's Q4_K_M file holds them: 4 bits in groups of 32,
+    8 bits in groups of 16 for the output, and for wqkv / down in every other layer (Q6_K there)."""
+    for i, layer in enumerate(weights.layers):
+        wide = (8, 16) if i % 2 else (4, 32)
+        layer.wqkv = quantize_groups(layer.wqkv, *wide)
+        layer.w_down = quantize_groups(layer.w_down, *wide)
+        layer.wo = quantize_groups(layer.wo, 4, 32)
+        layer.w_gate_up = quantize_groups(layer.w_gate_up, 4, 32)
+    weights.output = quantize_groups(weights.output, 8, 16)
+    return weights
+
+
 def make_runner(fmt: str, n_ctx: int = 1024) -> LocalRunner:
+    """Random weights: "float" (bf16), "q8", or "gguf_like" (the real file's quantization layout)."""
     weights = random_weights(CFG, torch.bfloat16, DEV)
+    if fmt == "gguf_like":
+        return LocalRunner.from_weights(CFG, gguf_like(weights), n_ctx=n_ctx)
     return LocalRunner.from_weights(CFG, weights, n_ctx=n_ctx, weight_format=fmt)
 
 
@@ -102,7 +132,7 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt, triton_gemv in (("float", "0"), ("float", "1"), ("q8", "1")):
+    for fmt, triton_gemv in (("float", "0"), ("float", "1"), ("gguf_like", "1")):
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         runner = make_runner(fmt)
         t0 = time.perf_counter()
@@ -155,7 +185,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def section_logits() -> None:
     res = {}
     kept: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
-    for fmt in ("float", "q8"):
+    for fmt in ("float", "gguf_like"):
         runner = make_runner(fmt)
         fast = greedy_logits(runner, None)
         os.environ["SPECSERVE_NO_TRITON"] = "1"
@@ -168,10 +198,10 @@ def section_logits() -> None:
         kept[fmt] = fast
         del runner
         torch.cuda.empty_cache()
-    errs = [rel(a, b) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True)]
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["q8"][0], kept["float"][0], strict=True))
-    res["q8_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
-                           "greedy_tokens_same": kept["q8"][1] == kept["float"][1]}
+    errs = [rel(a, b) for a, b in zip(kept["gguf_like"][0], kept["float"][0], strict=True)]
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["gguf_like"][0], kept["float"][0], strict=True))
+    res["gguf_like_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
+                           "greedy_tokens_same": kept["gguf_like"][1] == kept["float"][1]}
     print(json.dumps(res), flush=True)
     RESULTS["logits"] = res
 
@@ -205,7 +235,7 @@ def section_profile(out_dir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     summary = {}
-    for fmt in ("float", "q8"):
+    for fmt in ("float", "gguf_like"):
         runner = make_runner(fmt)
         runner.warmup(8)
         runner.kv_truncate(0, 0)
@@ -238,31 +268,37 @@ def section_profile(out_dir: Path) -> None:
     RESULTS["profile"] = summary
 
 
-# Projections of qwen2.5-coder-1.5b as its Q4_K_M file holds them: (N, K, SwiGLU input, group, has min).
-# wqkv mixes Q4_K (q, k) and Q6_K (v), so it is stacked on groups of 16 with mins.
-MATRICES = {"wqkv": (2048, 1536, False, 16, True), "wo": (1536, 1536, False, 32, True),
-            "gate_up": (17920, 1536, False, 32, True), "down_q4k": (1536, 8960, True, 32, True),
-            "down_q6k": (1536, 8960, True, 16, False), "output": (151936, 1536, False, 16, False)}
-# (BLOCK_N, bytes of K per step, warps, stages) for the quantized kernel; the same for any row count.
-SWEEP = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4),
-         (64, 128, 4, 3), (64, 256, 8, 3), (16, 256, 2, 4), (32, 512, 8, 3)]
+# Projections of qwen2.5-coder-1.5b as its Q4_K_M file holds them: (N, K, SwiGLU input, bits, group).
+# Q4_K packs into 4 bits with groups of 32, Q6_K into 8 bits with groups of 16; wqkv mixes Q4_K (q, k)
+# and Q6_K (v) in half of the layers (8 bits, 16) and is all Q4_K in the others.
+MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False, 8, 16),
+            "wo": (1536, 1536, False, 4, 32), "gate_up": (17920, 1536, False, 4, 32),
+            "down_q4k": (1536, 8960, True, 4, 32), "down_q6k": (1536, 8960, True, 8, 16),
+            "output": (151936, 1536, False, 8, 16)}
+# (kernel, BLOCK_N, BLOCK_K, warps, stages) swept per matrix; "row" only for one row.
+SWEEP = ([("row", bn, bk, nw, 1) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (2, 4)]
+         + [("row", bn, 2048, 8, 1) for bn in (8, 16)]
+         + [("dot", bn, bk, 4, ns) for bn in (16, 32, 64) for bk in (128, 256, 512) for ns in (2, 3)])
 
 
-def quant_copies(n: int, k: int, group: int, with_min: bool) -> list[QuantWeight]:
-    per = n * k * (1 + (8 if with_min else 4) / group)
+def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
+    per = n * k * (bits / 8 + 4 / group)
     copies = max(1, -(-300_000_000 // int(per)))  # > L2 (60 MB), several times
     out = []
     for _ in range(copies):
-        q = torch.randint(0, 16, (n, k), dtype=torch.int8, device=DEV) if with_min else \
+        q = torch.randint(0, 16, (n, k), dtype=torch.int8, device=DEV) if bits == 4 else \
             torch.randint(-32, 32, (n, k), dtype=torch.int8, device=DEV)
         scale = torch.rand(n, k // group, device=DEV) * 0.01
-        out.append(QuantWeight(q, scale, scale * 4 if with_min else None, group))
+        out.append(QuantWeight.from_ints(q, scale, scale * 4 if bits == 4 else None, group))
+        assert out[-1].bits == bits
     return out
 
 
 def timed(fn: Callable[[], object], n_calls: int, nbytes: int) -> dict[str, float | str]:
     try:
         fn()
+        if COMPILE_ONLY:
+            return {"us": "compiled"}
         us = graph_us(fn, n_calls)
         return {"us": round(us, 2), "TBps": round(nbytes / us / 1e6, 2)}
     except Exception as exc:  # one variant failing must not hide the others
@@ -280,44 +316,51 @@ class Rotation:
         return self.items[self.i]
 
 
-def bench_matrix(name: str, n: int, k: int, silu: bool, group: int, m: int, qs: Rotation,
-                 fl: Rotation) -> dict[str, object]:
+def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation,
+                 shard: tuple[int, int]) -> dict[str, object]:
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
     calls = 2 * len(qs.items)
-    qbytes = qs.items[0].n_bytes()
+    qw = qs.items[0]
+    qbytes = qw.n_bytes()
 
-    def tri(blocks: dict[str, int] | None = None) -> torch.Tensor:
+    def tri(blocks: tuple[str, dict[str, int]] | None = None) -> torch.Tensor:
         return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks)
 
-    r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "group": group}
-    r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
-    r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16), 2 * len(fl.items),
-                             n * k * 2)
-    r["default"] = timed(tri, calls, qbytes)
-    r["default_blocks"] = linear_triton.pick_quant_blocks(n, k, group)
-    best: tuple[dict[str, int], float] | None = None
-    for bn, kbytes, nw, ns in SWEEP:
-        blocks = {"BLOCK_N": bn, "NG": kbytes // group, "num_warps": nw, "num_stages": ns}
+    r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
+                            "MB": round(qbytes / 1e6, 2)}
+    if not COMPILE_ONLY:
+        r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
+        r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16),
+                                 2 * len(fl.items), n * k * 2)
+        r["default"] = timed(tri, calls, qbytes)
+        r["default_blocks"] = linear_triton.pick_quant_blocks(m, n, k, qw.bits)
+    best: tuple[str, float] | None = None
+    for idx, (kind, bn, bk, nw, ns) in enumerate(SWEEP):
+        if idx % shard[1] != shard[0] or (kind == "row" and m != 1):
+            continue
+        blocks = (kind, {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns})
+        label = f"{kind}{bn}x{bk}w{nw}s{ns}"
         us = timed(lambda b=blocks: tri(b), calls, qbytes).get("us")
-        r[f"{bn}x{kbytes}w{nw}s{ns}"] = us
+        r[label] = us
         if isinstance(us, float) and (best is None or us < best[1]):
-            best = (blocks, us)
+            best = (label, us)
     if best:
         r["best"] = {"blocks": best[0], "us": best[1], "TBps": round(qbytes / best[1] / 1e6, 2)}
     return r
 
 
-def section_matrices() -> None:
-    """Each projection alone: cuBLAS bf16 vs the Triton kernel on quantized weights, per block config."""
+def section_matrices(shard: tuple[int, int] = (0, 1)) -> None:
+    """Each projection alone: bf16 (cuBLAS, Triton) vs the quantized kernels over a sweep of blocks."""
     rows_out = []
-    for name, (n, k, silu, group, with_min) in MATRICES.items():
-        qs = Rotation(quant_copies(n, k, group, with_min))
+    for name, (n, k, silu, bits, group) in MATRICES.items():
+        qs = Rotation(quant_copies(n, k, bits, group))
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
-                       for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
+                       for _ in range(1 if COMPILE_ONLY else max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
-            r = bench_matrix(name, n, k, silu, group, m, qs, fl)
+            r = bench_matrix(name, n, k, silu, m, qs, fl, shard)
             rows_out.append(r)
-            print(json.dumps(r), flush=True)
+            if not COMPILE_ONLY:
+                print(json.dumps(r), flush=True)
         del qs, fl
         torch.cuda.empty_cache()
     RESULTS["matrices"] = rows_out
@@ -327,7 +370,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--sections", default="model,logits,profile,matrices")
+    ap.add_argument("--compile-shard", default=None,
+                    help="I/N: only compile shard I of N of the matrices sweep (fills Triton's cache; run N at once)")
     args = ap.parse_args()
+    if args.compile_shard:
+        global COMPILE_ONLY
+        COMPILE_ONLY = True
+        i, n = map(int, args.compile_shard.split("/"))
+        section_matrices((i, n))
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     RESULTS["gpu"] = torch.cuda.get_device_name(DEV)

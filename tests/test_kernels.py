@@ -101,7 +101,7 @@ def test_silu_mul(rows: int, cols: int) -> None:
 
 def test_quantize_q8_round_trip() -> None:
     from specserve.kernels import linear_triton
-    from specserve.kernels.linear import dequantize_ref, quantize_q8
+    from specserve.kernels.linear import dequantize_ref, quantize_q8, unpack
 
     # values that are exactly Q8_0 (int8 times an fp16 scale per 32) come back exactly
     q = torch.randint(-127, 128, (48, 320), dtype=torch.int8)
@@ -109,7 +109,8 @@ def test_quantize_q8_round_trip() -> None:
     d = (torch.rand(48, 10) * 0.02 + 1e-4).half().float()
     w = (q.float().view(48, 10, 32) * d[..., None]).view(48, 320)
     qw = quantize_q8(w.to(DEVICE))
-    assert torch.equal(qw.q.cpu(), q) and torch.equal(qw.scale.cpu(), d)
+    assert qw.bits == 8 and torch.equal(unpack(qw.words, 8, 32).cpu() - 128, q.int())
+    assert torch.equal(qw.sm[..., 0].float().cpu(), d)
     assert torch.equal(dequantize_ref(qw, torch.float32).cpu(), w)
     assert torch.equal(linear_triton.dequantize(qw, torch.float32).cpu(), w)
     # any weights: error of one rounding step per block
@@ -118,14 +119,15 @@ def test_quantize_q8_round_trip() -> None:
 
 
 def random_quant(n: int, k: int, group: int, with_min: bool):
-    """A QuantWeight shaped like a GGUF K-quant: small ints, fp32 scales (and mins) per group."""
+    """A QuantWeight shaped like a GGUF K-quant: Q4_K-like 4-bit ints with mins, or Q6_K-like signed
+    6-bit ints (8 bits packed), fp32 scales (and mins) per group."""
     from specserve.kernels.linear import QuantWeight
 
     low, high = (0, 16) if with_min else (-32, 32)
     q = torch.randint(low, high, (n, k), dtype=torch.int8, device=DEVICE)
     scale = torch.rand(n, k // group, device=DEVICE) * 0.02 + 1e-3
     mins = torch.rand(n, k // group, device=DEVICE) * 0.1 if with_min else None
-    return QuantWeight(q, scale, mins, group)
+    return QuantWeight.from_ints(q, scale, mins, group)
 
 
 @pytest.mark.parametrize("group,with_min", [(32, True), (16, False)])
@@ -159,8 +161,8 @@ def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: b
     ref = linear_ref(x.float(), qw if fmt != "float" else w.float(), b.float() if bias else None, silu_input)
     assert got.dtype == out_dtype and got.shape == (rows, n_out)
     assert rel_err(got, ref) < TOL
-    if fmt != "float":
-        assert qw.small == (fmt != "q8")  # both conversions of the kernel are covered
+    if fmt != "float":  # both integer widths of the kernels are covered
+        assert qw.bits == {"q8": 8, "k32min": 4, "k16": 8}[fmt]
 
 
 @pytest.mark.parametrize("weight_format", ["float", "q8"])

@@ -1,5 +1,5 @@
-"""GGUF block formats kept quantized (QuantWeight) decode to gguf's own values bit for bit, and a
-model loaded that way computes what the float path computes."""
+"""GGUF block formats kept quantized: repack gives gguf's own values bit for bit, QuantWeight keeps
+them up to fp16 scales, and a model loaded that way computes what the float path computes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from specserve.engine.batch import Batch
 from specserve.engine.runner import LocalRunner
 from specserve.gguf.repack import REPACKABLE, repack
-from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref
+from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref, pack, unpack
 from tests.gguf_blocks import raw_blocks
 
 ROWS, COLS = 6, 512
@@ -26,11 +26,29 @@ ROWS, COLS = 6, 512
 def test_repack_is_exact(qtype: Q) -> None:
     raw = raw_blocks(qtype, np.random.default_rng(int(qtype)), ROWS, COLS)
     q, scale, mins = repack(raw, qtype, (ROWS, COLS))
-    w = QuantWeight(torch.from_numpy(q), torch.from_numpy(scale), None if mins is None else torch.from_numpy(mins),
-                    COLS // scale.shape[1])
-    expected = torch.from_numpy(np.ascontiguousarray(dequantize(raw, qtype)).reshape(ROWS, COLS))
-    assert torch.equal(dequantize_ref(w, torch.float32), expected)
-    assert w.small == (qtype != Q.Q8_0)  # 4- to 6-bit formats fit the kernel's fast path
+    group = COLS // scale.shape[1]
+    expected = np.ascontiguousarray(dequantize(raw, qtype)).reshape(ROWS, COLS)
+    exact = q.reshape(ROWS, -1, group) * scale[..., None] - (0 if mins is None else mins[..., None])
+    assert np.array_equal(exact.reshape(ROWS, COLS), expected)
+    w = QuantWeight.from_ints(torch.from_numpy(q), torch.from_numpy(scale),
+                              None if mins is None else torch.from_numpy(mins), group)
+    assert w.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8)
+    # fp16 scale and min: off by at most a few fp16 roundings of the group's largest magnitude
+    err = (dequantize_ref(w, torch.float32) - torch.from_numpy(expected)).abs().view(ROWS, -1, group)
+    assert (err <= torch.from_numpy(np.abs(expected)).view(ROWS, -1, group).amax(-1, keepdim=True) * 2e-3).all()
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 16), (8, 32)])
+def test_pack_layout(bits: int, group: int) -> None:
+    """Field i of a group's word j holds k = i * (words per group) + j of the group; unpack inverts pack."""
+    u = torch.randint(0, 1 << bits, (5, 4 * group), dtype=torch.int32)
+    words = pack(u, bits, group)
+    per, wpg = 32 // bits, group * bits // 32
+    assert words.dtype == torch.int32 and words.shape == (5, 4 * group * bits // 32)
+    for g, i, j in [(0, 0, 0), (1, per - 1, wpg - 1), (3, per // 2, 0)]:
+        field = (int(words[2, g * wpg + j]) >> (bits * i)) & ((1 << bits) - 1)
+        assert field == int(u[2, g * group + i * wpg + j])
+    assert torch.equal(unpack(words, bits, group), u)
 
 
 def test_concat_mixed_groups() -> None:
@@ -40,10 +58,10 @@ def test_concat_mixed_groups() -> None:
     for qtype in (Q.Q4_K, Q.Q6_K):
         raw = raw_blocks(qtype, rng, ROWS, COLS)
         q, scale, mins = repack(raw, qtype, (ROWS, COLS))
-        parts.append(QuantWeight(torch.from_numpy(q), torch.from_numpy(scale),
-                                 None if mins is None else torch.from_numpy(mins), COLS // scale.shape[1]))
+        parts.append(QuantWeight.from_ints(torch.from_numpy(q), torch.from_numpy(scale),
+                                           None if mins is None else torch.from_numpy(mins), COLS // scale.shape[1]))
     fused = concat_quant(parts)
-    assert fused.group == 16 and fused.min is not None
+    assert (fused.group, fused.bits) == (16, 8) and (parts[0].group, parts[0].bits) == (32, 4)
     expected = torch.cat([dequantize_ref(p, torch.float32) for p in parts])
     assert torch.equal(dequantize_ref(fused, torch.float32), expected)
     x = torch.randn(3, COLS)
@@ -57,7 +75,8 @@ def test_gguf_format_matches_float(smollm_path: Path) -> None:
     plain = LocalRunner(smollm_path, n_ctx=64, device="cpu", progress=False, weight_format="float")
     assert quant.weight_format == "gguf" and isinstance(quant.weights.layers[0].w_gate_up, QuantWeight)
     gate_up = quant.weights.layers[0].w_gate_up
-    assert gate_up.n_bytes() == 1.25 * gate_up.q.numel()  # int8 + fp32 scale and min per 32 (fp32: 4 bytes)
+    n, k = gate_up.shape
+    assert gate_up.bits == 4 and gate_up.n_bytes() == n * k * (0.5 + 4 / 32)  # 4 bits + fp16 scale and min per 32
     logits = []
     for runner in (quant, plain):
         batch = Batch()

@@ -108,7 +108,8 @@ class GGUFFile:
         return tensor.to(device=device, dtype=dtype)
 
     def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantWeight | None:
-        """A 2-D block-quantized tensor kept quantized (exactly; see repack.py); None for other types."""
+        """A 2-D block-quantized tensor kept quantized (integers exact, scales in fp16; see repack.py and
+        QuantWeight); None for other types."""
         t = self._tensor(name)
         shape = self.tensor_shape(name)
         if t.tensor_type not in REPACKABLE or len(shape) != 2:
@@ -118,8 +119,8 @@ class GGUFFile:
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
         group = shape[1] // scale.shape[1]
-        return QuantWeight(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
-                           None if mins is None else torch.from_numpy(mins).to(device), group)
+        return QuantWeight.from_ints(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
+                                     None if mins is None else torch.from_numpy(mins).to(device), group)
 
     def _tensor(self, name: str) -> Any:
         try:

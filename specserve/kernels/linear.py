@@ -1,24 +1,28 @@
-"""Linear layers over float matrices or group-quantized integer matrices.
+"""Linear layers over float matrices or group-quantized, bit-packed integer matrices.
 
-`QuantWeight` holds W = q * scale - min with q int8 and one fp32 scale (and min) per group of
-16 or 32 consecutive k. Every GGUF block format the loader reads (Q8_0, Q4_0/1, Q5_0/1,
-Q4_K, Q5_K, Q6_K) is exactly this shape, so a file's quantized matrices stay as they are on
-the GPU (specserve.gguf.repack), ~1.25 bytes per weight instead of 2. Float matrices can be
-quantized with Q8_0's rule (`quantize_q8`). (On an H200 the quantized kernel is still slower
-than bf16 for decode: benchmarks/results/kernel_notes.md, v3.)
+`QuantWeight` holds W[n, k] = scale * u - min per group of 16 or 32 consecutive k, with u an
+unsigned 4- or 8-bit integer packed into int32 words and scale, min in fp16. Every GGUF block
+format the loader reads (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) has this shape
+(specserve.gguf.repack gives its integers exactly); Q4_K and Q4_0/1 pack into 4 bits, the
+others into 8. Scales and mins are rounded to fp16 (relative error <= 2^-11, below the 2^-9
+of the bf16 weights of the float path). Float matrices can be quantized with Q8_0's rule
+(`quantize_q8`, exact for values that came from Q8_0).
 
-The Triton kernel covers 1..16 rows (decode and verify steps): it dequantizes in registers
-and can fuse SwiGLU into its input and the bias into its output. More rows (prefill)
-dequantize to the activation dtype and use cuBLAS, where arithmetic, not bytes, dominates.
-Triton's float kernel beats cuBLAS for one row on every projection of qwen2.5-coder-1.5b
-(H200: [1536, 1536] 3.8 vs 6.4 us, [17920, 1536] 16.4 vs 17.9, [151936, 1536] 109 vs 117;
-kernel_notes.md), so one-row float products use it; cuBLAS keeps every multi-row product.
+Packing: word j of a group holds the group's k = i * (words per group) + j in bits
+[bits * i, bits * (i + 1)), so each bit field i of the group's words covers a contiguous run
+of k and the kernels read activations in contiguous runs.
+
+The Triton kernels cover 1..16 rows (decode and verify steps) and can fuse SwiGLU into their
+input and the bias into their output. More rows (prefill) dequantize to the activation dtype
+and use cuBLAS, where arithmetic, not bytes, dominates. Triton's float kernel beats cuBLAS for
+one row on every projection of qwen2.5-coder-1.5b (kernel_notes.md), so one-row float products
+use it; cuBLAS keeps every multi-row float product.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,27 +37,65 @@ MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
 
 @dataclass
 class QuantWeight:
-    """W = q * scale - min, per group of `group` consecutive k: q int8 [N, K]; scale, min fp32 [N, K / group]."""
+    """W = scale * u - min per group of `group` consecutive k; u unsigned `bits`-bit integers.
 
-    q: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor | None
+    words: int32 [N, K * bits / 32] (layout in the module docstring); sm: fp16 [N, K / group, 2]
+    holding (scale, min) of each group side by side, so a kernel reads both in one 4-byte load."""
+
+    words: torch.Tensor
+    sm: torch.Tensor
+    bits: int
     group: int
-    small: bool = field(init=False)  # every q in [-64, 63] (4- to 6-bit formats): the kernel's fast path
-
-    def __post_init__(self) -> None:
-        self.small = bool(self.q.numel() == 0 or (self.q.min() >= -64 and self.q.max() <= 63))
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.words.shape[0], self.words.shape[1] * 32 // self.bits))
 
     def n_bytes(self) -> int:
-        extra = 0 if self.min is None else self.min.numel() * 4
-        return self.q.numel() + self.scale.numel() * 4 + extra
+        return self.words.numel() * 4 + self.sm.numel() * 2
+
+    @classmethod
+    def from_ints(cls, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, group: int) -> QuantWeight:
+        """W = q * scale - mins (per group) from integers q [N, K] and fp32 scale, mins [N, K / group].
+
+        Signed q are offset by a power of two (u = q + 2^(bits-1)) and the offset folded into the
+        min, so u * scale - min stays exact for Q8_0-style values (128 * d is exact in fp16)."""
+        lo, hi = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
+        if lo >= 0:
+            bits, offset = (4 if hi < 16 else 8), 0
+        else:
+            bits = 4 if lo >= -8 and hi < 8 else 8
+            offset = 1 << (bits - 1)
+        if hi + offset >= 1 << bits or lo + offset < 0:
+            raise SpecserveError(f"quantized integers in [{lo}, {hi}] do not fit 8 bits")
+        mins = torch.zeros_like(scale) if mins is None else mins
+        sm = torch.stack([scale, mins + offset * scale], dim=-1).half()
+        if not torch.isfinite(sm).all():
+            raise SpecserveError("quantization scales out of fp16 range")
+        return cls(pack(q.to(torch.int32) + offset, bits, group), sm, bits, group)
 
 
 Weight = torch.Tensor | QuantWeight
+
+
+def pack(u: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Unsigned integers u [N, K] < 2^bits -> int32 words [N, K * bits / 32] (module docstring's layout)."""
+    n, k = u.shape
+    per = 32 // bits
+    fields = u.to(torch.int64).view(n, k // group, per, group // per)  # [n, g, i, j]
+    shifts = torch.arange(per, device=u.device, dtype=torch.int64).view(1, 1, per, 1) * bits
+    words = (fields << shifts).sum(dim=2)  # fields do not overlap: the sum is a bitwise or
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # as two's-complement int32
+    return words.to(torch.int32).reshape(n, k * bits // 32)
+
+
+def unpack(words: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """int32 words -> the unsigned integers u [N, K] as int32 (inverse of `pack`)."""
+    n = words.shape[0]
+    per = 32 // bits
+    w = words.view(n, -1, 1, group // per)
+    shifts = torch.arange(per, device=words.device, dtype=torch.int32).view(1, 1, per, 1) * bits
+    return ((w >> shifts) & ((1 << bits) - 1)).reshape(n, -1)
 
 
 def quantize_q8(w: torch.Tensor, chunk_rows: int = 8192) -> QuantWeight:
@@ -70,30 +112,26 @@ def quantize_q8(w: torch.Tensor, chunk_rows: int = 8192) -> QuantWeight:
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q[r : r + chunk_rows] = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(-1, k)
         scale[r : r + chunk_rows] = d
-    return QuantWeight(q, scale, None, Q8_BLOCK)
+    return QuantWeight.from_ints(q, scale, None, Q8_BLOCK)
 
 
 def dequantize_ref(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    """q * scale - min in fp32 (the order GGUF's own decoders use), then `dtype`."""
-    n, k = w.q.shape
-    blocks = w.q.view(n, k // w.group, w.group).float() * w.scale[..., None]
-    if w.min is not None:
-        blocks = blocks - w.min[..., None]
+    """scale * u - min in fp32, then `dtype`."""
+    u = unpack(w.words, w.bits, w.group)
+    n, k = u.shape
+    sm = w.sm.float()
+    blocks = u.view(n, k // w.group, w.group).float() * sm[..., 0:1] - sm[..., 1:2]
     return blocks.view(n, k).to(dtype)
 
 
 def concat_quant(parts: list[QuantWeight]) -> QuantWeight:
-    """Stack matrices along N (Q, K, V -> QKV) on a common group size, a zero min where one has none."""
+    """Stack matrices along N (Q, K, V -> QKV) on the smallest group and the widest integers."""
     group = min(p.group for p in parts)
-    has_min = any(p.min is not None for p in parts)
-
-    def expand(t: torch.Tensor | None, p: QuantWeight) -> torch.Tensor:
-        if t is None:
-            t = torch.zeros_like(p.scale)
-        return t.repeat_interleave(p.group // group, dim=1)
-
-    return QuantWeight(torch.cat([p.q for p in parts]), torch.cat([expand(p.scale, p) for p in parts]),
-                       torch.cat([expand(p.min, p) for p in parts]) if has_min else None, group)
+    bits = max(p.bits for p in parts)
+    words = [p.words if (p.group, p.bits) == (group, bits) else pack(unpack(p.words, p.bits, p.group), bits, group)
+             for p in parts]
+    sm = [p.sm.repeat_interleave(p.group // group, dim=1) for p in parts]
+    return QuantWeight(torch.cat(words), torch.cat(sm), bits, group)
 
 
 def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
@@ -127,7 +165,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    if triton_enabled(w.q):
+    if triton_enabled(w.words):
         from specserve.kernels import linear_triton
 
         return linear_triton.dequantize(w, dtype)

@@ -41,35 +41,91 @@ def _load_x(x_ptr, offs, mask, K: tl.constexpr, SILU_IN: tl.constexpr):
 
 
 @triton.jit
-def _gemv_quant_kernel(x_ptr, q_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
-                       G: tl.constexpr, HAS_MIN: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
-                       SMALL_Q: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr):
+def _field(words, i: tl.constexpr, BITS: tl.constexpr):
+    """Bit field i of int32 words as the fp32 value 1 + u / 2^BITS, exactly and with no conversion
+    instruction: the field is moved to the top of the mantissa under 1.0's exponent."""
+    TOP: tl.constexpr = 23 - BITS
+    SHIFT: tl.constexpr = BITS * i - TOP
+    t = words >> SHIFT if SHIFT >= 0 else words << -SHIFT
+    return ((t & (((1 << BITS) - 1) << TOP)) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_min(sm_ptr, offs, mask):
+    """(scale, min) fp32 from their fp16 pair read as one int32."""
+    sm = tl.load(sm_ptr + offs, mask=mask, other=0)
+    s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    mn = (sm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, mn
+
+
+@triton.jit
+def _gemv_quant_row_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
+                           G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """One row on CUDA cores. Per group: s * sum(u x) - min * sum(x), where sum(u x) comes from the
+    fields read as 1 + u / 2^BITS: sum((1 + u / 2^BITS) x) = sum(x) + sum(u x) / 2^BITS."""
+    PER: tl.constexpr = 32 // BITS  # integers per word
+    WPG: tl.constexpr = G // PER  # words per group
+    NG: tl.constexpr = BLOCK_K // G
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    n64 = n.to(tl.int64)
+    g = tl.arange(0, NG)
+    j = tl.arange(0, WPG)
+    acc = tl.zeros([BLOCK_N, NG], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        grp = k0 // G + g
+        g_mask = grp < K // G
+        gofs = n64[:, None] * (K // G) + grp[None, :]  # [BLOCK_N, NG]
+        gn_mask = n_mask[:, None] & g_mask[None, :]
+        words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
+        part = tl.zeros([BLOCK_N, NG, WPG], tl.float32)
+        x_sum = tl.zeros([NG, WPG], tl.float32)
+        for i in tl.static_range(PER):
+            xi = _load_x(x_ptr, grp[:, None] * G + i * WPG + j[None, :], g_mask[:, None], K, SILU_IN).to(tl.float32)
+            part += _field(words, i, BITS) * xi[None, :, :]
+            x_sum += xi
+        sx = tl.sum(x_sum, axis=1)[None, :]
+        s, mn = _scale_min(sm_ptr, gofs, gn_mask)
+        acc += s * ((tl.sum(part, axis=2) - sx) * (1 << BITS)) - mn * sx
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_quant_dot_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
+                           BITS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1..16 rows on tensor cores (rows padded to 16): each bit field of a K step is dequantized to
+    the activation dtype and enters its own dot with the matching run of k."""
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // PER
+    NG: tl.constexpr = BLOCK_K // G
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     n64 = n.to(tl.int64)
     m = tl.arange(0, 16)
     m_mask = m < M
     g = tl.arange(0, NG)
-    j = tl.arange(0, G)
+    j = tl.arange(0, WPG)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(0, K, NG * G):
+    for k0 in range(0, K, BLOCK_K):
         grp = k0 // G + g
         g_mask = grp < K // G
-        x = _load_x(x_ptr, m[None, :, None] * stride_xm + grp[:, None, None] * G + j[None, None, :],
-                    g_mask[:, None, None] & m_mask[None, :, None], K, SILU_IN)  # [NG, 16, G]
-        gn_mask = g_mask[:, None, None] & n_mask[None, None, :]
-        q = tl.load(q_ptr + n64[None, None, :] * K + grp[:, None, None] * G + j[None, :, None], mask=gn_mask,
-                    other=0)  # [NG, G, BLOCK_N]
-        # SMALL_Q: 0x4340 + q read as bf16 is 192 + q, exactly
-        qb = (q.to(tl.int16) + 0x4340).to(tl.bfloat16, bitcast=True).to(x.dtype) if SMALL_Q else q.to(x.dtype)
-        part = tl.dot(x, qb)  # [NG, 16, BLOCK_N], fp32
-        s_offs = n64[None, None, :] * (K // G) + grp[:, None, None]  # [NG, 1, BLOCK_N]
-        s = tl.load(s_ptr + s_offs, mask=gn_mask, other=0.0)
-        c = 192.0 * s if SMALL_Q else tl.zeros_like(s)  # what the offset of qb adds per unit of sum(x)
-        if HAS_MIN:
-            c += tl.load(mn_ptr + s_offs, mask=gn_mask, other=0.0)
-        x_sum = tl.sum(x.to(tl.float32), axis=2)[:, :, None]  # [NG, 16, 1]
-        acc += tl.sum(part * s - x_sum * c, axis=0)
+        gofs = n64[:, None] * (K // G) + grp[None, :]
+        gn_mask = n_mask[:, None] & g_mask[None, :]
+        words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
+        s, mn = _scale_min(sm_ptr, gofs, gn_mask)
+        a = (s * (1 << BITS))[:, :, None]  # (1 + u / 2^BITS) * a - (a + min) = s * u - min
+        c = a + mn[:, :, None]
+        for i in tl.static_range(PER):
+            w = (_field(words, i, BITS) * a - c).to(x_ptr.dtype.element_ty)
+            xi = _load_x(x_ptr, m[:, None, None] * stride_xm + grp[None, :, None] * G + i * WPG + j[None, None, :],
+                         m_mask[:, None, None] & g_mask[None, :, None], K, SILU_IN)
+            acc += tl.dot(tl.reshape(xi, [16, NG * WPG]), tl.trans(tl.reshape(w, [BLOCK_N, NG * WPG])))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # round through the activation dtype first, as F.linear(...).to(out) would
@@ -120,16 +176,18 @@ def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, i
     return 16, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
-def pick_quant_blocks(n_out: int, k: int, group: int) -> dict[str, int]:
-    """BLOCK_N, groups per K step (NG), warps and stages for the quantized kernel (H200 sweep:
-    benchmarks/kernel_bench.py --sections matrices)."""
-    if INTERPRET:
-        return {"BLOCK_N": 16, "NG": 2, "num_warps": 4}
-    return {"BLOCK_N": 32 if n_out > 4096 else 16, "NG": 256 // group, "num_warps": 4, "num_stages": 3}
+def pick_quant_blocks(n_rows: int, n_out: int, k: int, bits: int) -> tuple[str, dict[str, int]]:
+    """Which quantized kernel ("row": CUDA cores, one row; "dot": tensor cores) and its fixed blocks
+    (H200 sweep: benchmarks/kernel_bench.py --sections matrices)."""
+    if INTERPRET:  # every program runs in Python: few, small ones
+        return ("row", {"BLOCK_N": 4, "BLOCK_K": 64}) if n_rows == 1 else ("dot", {"BLOCK_N": 16, "BLOCK_K": 128})
+    if n_rows == 1:
+        return "row", {"BLOCK_N": 4 if k <= 4096 else 2, "BLOCK_K": 8192 // bits, "num_warps": 4}
+    return "dot", {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-         out_dtype: torch.dtype, blocks: dict[str, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype, blocks: tuple[str, dict[str, int]] | None = None) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
     `blocks` overrides the quantized kernel's block choice (the sweep benchmark)."""
@@ -144,11 +202,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
     b = bias if bias is not None else x2
     if quant:
-        cfg = blocks or pick_quant_blocks(n_out, k, w.group)
-        mins = w.min if w.min is not None else w.scale
-        _gemv_quant_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
-            x2, w.q, w.scale, mins, b, out, n_rows, n_out, x2.stride(0), k, G=w.group, HAS_MIN=w.min is not None,
-            HAS_BIAS=bias is not None, SILU_IN=silu_input, SMALL_Q=w.small, **cfg)
+        kind, cfg = blocks or pick_quant_blocks(n_rows, n_out, k, w.bits)
+        args = (x2, w.words, w.sm.view(torch.int32), b, out)
+        flags = {"BITS": w.bits, "G": w.group, "HAS_BIAS": bias is not None, "SILU_IN": silu_input, **cfg}
+        grid = (triton.cdiv(n_out, cfg["BLOCK_N"]),)
+        if kind == "row":
+            assert n_rows == 1
+            _gemv_quant_row_kernel[grid](*args, n_out, k, **flags)
+        else:
+            _gemv_quant_dot_kernel[grid](*args, n_rows, n_out, x2.stride(0), k, **flags)
     else:
         assert w.is_contiguous()
         block_m, cfg = pick_float_blocks(n_rows, n_out, k)
@@ -159,24 +221,27 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, s_ptr, mn_ptr, out_ptr, n_groups, G: tl.constexpr, HAS_MIN: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+def _dequant_kernel(w_ptr, sm_ptr, out_ptr, n_groups, BITS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // PER
     grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = grp < n_groups
-    offs = grp.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
-    w = tl.load(q_ptr + offs, mask=g_mask[:, None], other=0).to(tl.float32)
-    w = w * tl.load(s_ptr + grp, mask=g_mask, other=0.0)[:, None]
-    if HAS_MIN:
-        w = w - tl.load(mn_ptr + grp, mask=g_mask, other=0.0)[:, None]
-    tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    grp64 = grp.to(tl.int64)
+    j = tl.arange(0, WPG)
+    words = tl.load(w_ptr + grp64[:, None] * WPG + j[None, :], mask=g_mask[:, None], other=0)
+    s, mn = _scale_min(sm_ptr, grp64, g_mask)
+    a = (s * (1 << BITS))[:, None]
+    c = a + mn[:, None]
+    for i in tl.static_range(PER):
+        tl.store(out_ptr + grp64[:, None] * G + i * WPG + j[None, :],
+                 (_field(words, i, BITS) * a - c).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    """One pass int8 -> dtype (prefill's path to cuBLAS)."""
-    out = torch.empty(w.q.shape, dtype=dtype, device=w.q.device)
-    n_groups = w.q.numel() // w.group
-    block_g = 2048 // w.group
-    _dequant_kernel[(triton.cdiv(n_groups, block_g),)](w.q, w.scale, w.min if w.min is not None else w.scale, out,
-                                                       n_groups, G=w.group, HAS_MIN=w.min is not None,
-                                                       BLOCK_G=block_g, num_warps=4)
+    """One pass to `dtype` (prefill's path to cuBLAS)."""
+    out = torch.empty(w.shape, dtype=dtype, device=w.words.device)
+    n_groups = w.sm.shape[0] * w.sm.shape[1]
+    block_g = 64 if INTERPRET else 256
+    _dequant_kernel[(triton.cdiv(n_groups, block_g),)](w.words, w.sm.view(torch.int32), out, n_groups, BITS=w.bits,
+                                                       G=w.group, BLOCK_G=block_g, num_warps=4)
     return out

@@ -19,10 +19,10 @@ from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequanti
 from specserve.model.config import ModelConfig
 
 # "float": every matrix in the runner's dtype (the default, "auto"). "gguf": block-quantized
-# matrices stay as in the file (exact int8 + fp32 scales, ~1.25 bytes per weight instead of 2;
-# see specserve.gguf.repack): 40% less memory, but on an H200 its kernel decodes slower than
-# bf16 (benchmarks/results/kernel_notes.md, v3). "q8": every matrix quantized with Q8_0's rule
-# from its float values (for float files and random weights).
+# matrices stay quantized as in the file (4- or 8-bit integers, fp16 scale and min per group of
+# 16 / 32; see QuantWeight and specserve.gguf.repack): a Q4_K_M file reads ~0.4 of bf16's bytes
+# per token. "q8": every matrix quantized with Q8_0's rule from its float values (for float
+# files and random weights).
 WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -61,7 +61,7 @@ class ModelWeights:
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None]
         for t in tensors:
-            key = t.q.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
+            key = t.words.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
             if key not in seen:
                 seen.add(key)
                 total += t.n_bytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
