@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specserve.bench import bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
 from specserve.engine.batch import Batch  # noqa: E402
 from specserve.engine.runner import LocalRunner  # noqa: E402
-from specserve.kernels import linear_triton  # noqa: E402
+from specserve.kernels import linear_cuda, linear_triton  # noqa: E402
 from specserve.kernels.activation import silu_mul  # noqa: E402
 from specserve.kernels.linear import QuantWeight  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
@@ -275,10 +275,8 @@ MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False
             "wo": (1536, 1536, False, 4, 32), "gate_up": (17920, 1536, False, 4, 32),
             "down_q4k": (1536, 8960, True, 4, 32), "down_q6k": (1536, 8960, True, 8, 16),
             "output": (151936, 1536, False, 8, 16)}
-# (kernel, BLOCK_N, BLOCK_K, warps, stages) swept per matrix; "row" only for one row.
-SWEEP = ([("row", bn, bk, nw, 1) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (2, 4)]
-         + [("row", bn, 2048, 8, 1) for bn in (8, 16)]
-         + [("dot", bn, bk, 4, ns) for bn in (16, 32, 64) for bk in (128, 256, 512) for ns in (2, 3)])
+# CUDA kernel: (output rows per warp, groups in flight per lane) swept per matrix and row count.
+SWEEP = {1: [(rn, u) for rn in (1, 2, 4, 8) for u in (1, 2, 4, 8)], 8: [(rn, u) for rn in (1, 2) for u in (1, 2, 4)]}
 
 
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
@@ -323,8 +321,11 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     qw = qs.items[0]
     qbytes = qw.n_bytes()
 
-    def tri(blocks: tuple[str, dict[str, int]] | None = None) -> torch.Tensor:
-        return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks)
+    def tri() -> torch.Tensor:
+        return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16)
+
+    def cuda(blocks: dict[str, int] | None = None) -> torch.Tensor:
+        return linear_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks)
 
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
                             "MB": round(qbytes / 1e6, 2)}
@@ -332,15 +333,15 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
         r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
         r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16),
                                  2 * len(fl.items), n * k * 2)
-        r["default"] = timed(tri, calls, qbytes)
-        r["default_blocks"] = linear_triton.pick_quant_blocks(m, n, k, qw.bits)
+        r["triton"] = timed(tri, calls, qbytes)
+        r["cuda"] = timed(cuda, calls, qbytes)
+        r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(m, n, k, qw.group)
     best: tuple[str, float] | None = None
-    for idx, (kind, bn, bk, nw, ns) in enumerate(SWEEP):
-        if idx % shard[1] != shard[0] or (kind == "row" and m != 1):
+    for idx, (rn, u) in enumerate(SWEEP[m]):
+        if idx % shard[1] != shard[0]:
             continue
-        blocks = (kind, {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns})
-        label = f"{kind}{bn}x{bk}w{nw}s{ns}"
-        us = timed(lambda b=blocks: tri(b), calls, qbytes).get("us")
+        label = f"rn{rn}u{u}"
+        us = timed(lambda b={"RN": rn, "U": u}: cuda(b), calls, qbytes).get("us")
         r[label] = us
         if isinstance(us, float) and (best is None or us < best[1]):
             best = (label, us)

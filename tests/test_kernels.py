@@ -165,6 +165,40 @@ def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: b
         assert qw.bits == {"q8": 8, "k32min": 4, "k16": 8}[fmt]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernel (NVRTC): GPU only")
+@pytest.mark.parametrize("fmt,blocks", [("k32min", None), ("k16", None), ("q8", None), ("k32min", {"RN": 3, "U": 2}),
+                                        ("k16", {"RN": 2, "U": 1}), ("k4g16", None)])
+@pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
+    (40, 96, False, False, False), (130, 1536, True, False, False), (72, 8960, False, True, False),
+    (257, 64, False, False, True), (1000, 4096, True, True, True),
+])
+def test_gemv_cuda(fmt: str, blocks: dict | None, n_out: int, k: int, bias: bool, silu_input: bool,
+                   out_fp32: bool) -> None:
+    """The CUDA C kernel vs the torch reference for 1..16 rows, and each row of a multi-row call
+    bit for bit equal to a one-row call (verify steps compute what decode steps compute)."""
+    from specserve.kernels import linear_cuda
+    from specserve.kernels.linear import QuantWeight, linear_ref, quantize_q8
+
+    w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
+    if fmt == "k4g16":  # 4-bit integers in groups of 16 (two words per group)
+        q = torch.randint(0, 16, (n_out, k), dtype=torch.int8, device=DEVICE)
+        qw = QuantWeight.from_ints(q, torch.rand(n_out, k // 16, device=DEVICE) * 0.02, None, 16)
+    else:
+        qw = {"q8": lambda: quantize_q8(w), "k32min": lambda: random_quant(n_out, k, 32, True),
+              "k16": lambda: random_quant(n_out, k, 16, False)}[fmt]()
+    b = torch.randn(n_out, device=DEVICE).to(DTYPE) if bias else None
+    out_dtype = torch.float32 if out_fp32 else DTYPE
+    x = torch.randn(16, 2 * k if silu_input else k, device=DEVICE).to(DTYPE) * 2
+    assert linear_cuda.usable(x, qw, b, out_dtype)
+    singles = [linear_cuda.gemv(x[i:i + 1], qw, b, silu_input, out_dtype, blocks) for i in range(16)]
+    for rows in (1, 3, 8, 16):
+        got = linear_cuda.gemv(x[:rows], qw, b, silu_input, out_dtype, blocks)
+        ref = linear_ref(x[:rows].float(), qw, b.float() if bias else None, silu_input)
+        assert got.dtype == out_dtype and got.shape == (rows, n_out)
+        assert rel_err(got, ref) < TOL
+        assert torch.equal(got, torch.cat(singles[:rows]))
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""

@@ -153,6 +153,11 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     quant = isinstance(w, QuantWeight)
+    if quant and rows <= MAX_GEMV_ROWS and triton_enabled(x):
+        from specserve.kernels import linear_cuda
+
+        if linear_cuda.usable(x, w, bias, out_dtype or x.dtype):
+            return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 

@@ -1,0 +1,270 @@
+"""CUDA C matrix-vector kernel for bit-packed quantized weights (QuantWeight), 1..16 rows, bf16.
+
+Triton versions of this kernel (linear_triton.py) stayed at a third of the memory bandwidth on an
+H200: the per-weight work of unpacking is where the time goes, and Triton's layouts for the
+grouped tiles added shuffles. This kernel is written so that every weight costs one shift, one
+logic op (LOP3) and one FMA per activation row:
+
+- one warp computes RN output rows; each lane walks the row's groups (16..32 weights, one
+  16-byte load for the 4-bit / 32 and 8-bit / 16 layouts) with U groups in flight;
+- a bit field becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent (no
+  conversion instruction); per group, s * sum(u x) - min * sum(x) is recovered from
+  sum((1 + u / 2^bits) x) and sum(x), so scales touch each group once, not each weight;
+- activations are read straight from global memory (L1-cached), converted with one shift or
+  AND per bf16 value; SwiGLU of a [gate | up] input is fused, rounded as torch rounds it;
+- every (output row, activation row) pair runs the same instruction sequence whatever the
+  number of rows, so a verify step of 8 rows computes bit for bit what 8 decode steps compute.
+
+Compiled at first use with NVRTC through torch (`torch.cuda._compile_kernel`), one build per
+variant (integer width, rows, fusion flags), a fraction of a second each. Where that is not
+available, or for other dtypes, `usable` says no and the Triton kernels run instead.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import torch
+
+from specserve.kernels.linear import QuantWeight
+
+WARPS = 4  # per block
+
+SOURCE = r"""
+#define BITS __BITS__
+#define WPG __WPG__
+#define M __M__
+#define RN __RN__
+#define U __U__
+#define SILU __SILU__
+#define BIAS __BIAS__
+#define OUT_F32 __OUT_F32__
+#define PER (32 / BITS)
+#define G (PER * WPG)
+#define MASK ((1u << BITS) - 1u)
+#define TOP (23 - BITS)
+
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
+__device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
+__device__ __forceinline__ float half_to_float(unsigned h) {
+    float f;
+    unsigned short s = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+}
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+    float act = round_bf(gate / (1.0f + __expf(-gate)));
+    return round_bf(act * up);
+}
+// bit field i of w as the fp32 value 1 + u / 2^BITS
+__device__ __forceinline__ float field(unsigned w, int i) {
+    const int shift = BITS * i - TOP;
+    const unsigned t = shift >= 0 ? (w >> shift) : (w << -shift);
+    return __uint_as_float((t & (MASK << TOP)) | 0x3F800000u);
+}
+// WPG consecutive bf16 at p as WPG / 2 words (p is aligned to WPG elements)
+__device__ __forceinline__ void load_pairs(const bf16_t* p, unsigned* r) {
+#if WPG == 2
+    r[0] = *(const unsigned*)p;
+#elif WPG == 4
+    const uint2 v = *(const uint2*)p;
+    r[0] = v.x; r[1] = v.y;
+#else
+#pragma unroll
+    for (int q = 0; q < WPG / 8; ++q) {
+        const uint4 v = *((const uint4*)p + q);
+        r[4 * q] = v.x; r[4 * q + 1] = v.y; r[4 * q + 2] = v.z; r[4 * q + 3] = v.w;
+    }
+#endif
+}
+__device__ __forceinline__ void load_x(const bf16_t* p, int K, float* xv) {
+    unsigned r[WPG / 2];
+    load_pairs(p, r);
+#if SILU
+    unsigned up[WPG / 2];
+    load_pairs(p + K, up);
+#endif
+#pragma unroll
+    for (int h = 0; h < WPG / 2; ++h) {
+#if SILU
+        xv[2 * h] = silu_mul(lo_bf(r[h]), lo_bf(up[h]));
+        xv[2 * h + 1] = silu_mul(hi_bf(r[h]), hi_bf(up[h]));
+#else
+        xv[2 * h] = lo_bf(r[h]);
+        xv[2 * h + 1] = hi_bf(r[h]);
+#endif
+    }
+}
+__device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
+#if WPG == 2
+    const uint2 v = __ldg((const uint2*)p);
+    w[0] = v.x; w[1] = v.y;
+#else
+#pragma unroll
+    for (int q = 0; q < WPG / 4; ++q) {
+        const uint4 v = __ldg((const uint4*)p + q);
+        w[4 * q] = v.x; w[4 * q + 1] = v.y; w[4 * q + 2] = v.z; w[4 * q + 3] = v.w;
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128) gemv_q(
+    const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
+    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x)
+{
+    const int lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RN;
+    if (n0 >= N) return;
+    const int n_groups = K / G;
+    float acc[RN][M];
+#pragma unroll
+    for (int r = 0; r < RN; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+
+    for (int g0 = lane; g0 < n_groups; g0 += 32 * U) {
+        unsigned wv[U][RN][WPG];
+        unsigned smv[U][RN];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + 32 * u;
+#pragma unroll
+            for (int r = 0; r < RN; ++r) {
+                const u64 row = (u64)(n0 + r < N ? n0 + r : N - 1) * n_groups;  // rows past N: not stored
+                if (g < n_groups) {
+                    load_words(w + (row + g) * WPG, wv[u][r]);
+                    smv[u][r] = __ldg(sm + row + g);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int g = g0 + 32 * u;
+            if (g < n_groups) {
+                float part[RN][M], x_sum[M];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    x_sum[m] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < RN; ++r) part[r][m] = 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    float xv[M][WPG];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) load_x(x + (u64)m * stride_x + g * G + i * WPG, K, xv[m]);
+#pragma unroll
+                    for (int j = 0; j < WPG; ++j) {
+#pragma unroll
+                        for (int m = 0; m < M; ++m) x_sum[m] += xv[m][j];
+#pragma unroll
+                        for (int r = 0; r < RN; ++r) {
+                            const float v = field(wv[u][r][j], i);
+#pragma unroll
+                            for (int m = 0; m < M; ++m) part[r][m] = fmaf(v, xv[m][j], part[r][m]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < RN; ++r) {
+                    const float s = half_to_float(smv[u][r] & 0xffffu), mn = half_to_float(smv[u][r] >> 16);
+#pragma unroll
+                    for (int m = 0; m < M; ++m)
+                        acc[r][m] += s * ((part[r][m] - x_sum[m]) * (float)(1 << BITS)) - mn * x_sum[m];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RN; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RN; ++r) {
+            const int n = n0 + r;
+            if (n < N) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float y = acc[r][m];
+#if BIAS
+                    y += lo_bf(bias[n]);
+#endif
+#if OUT_F32
+                    ((float*)out)[(u64)m * N + n] = round_bf(y);
+#else
+                    ((bf16_t*)out)[(u64)m * N + n] = (bf16_t)to_bf(y);
+#endif
+                }
+            }
+        }
+    }
+}
+"""
+
+
+def pick_cuda_blocks(n_rows: int, n_out: int, k: int, group: int) -> dict[str, int]:
+    """Output rows per warp (RN) and groups in flight per lane (U): H200 sweep,
+    benchmarks/kernel_bench.py --sections matrices."""
+    rn = (4 if n_out >= 8192 else 1) if n_rows == 1 else max(1, 8 // n_rows)
+    return {"RN": rn, "U": 4 if k // group > 64 else 2}
+
+
+@cache
+def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, silu: bool, bias: bool, out_f32: bool) -> Any:
+    src = SOURCE
+    for key, val in {"BITS": bits, "WPG": wpg, "M": m, "RN": rn, "U": u, "SILU": int(silu), "BIAS": int(bias),
+                     "OUT_F32": int(out_f32)}.items():
+        src = src.replace(f"__{key}__", str(val))
+    return torch.cuda._compile_kernel(src, "gemv_q")
+
+
+@cache
+def _available() -> bool:
+    if os.environ.get("SPECSERVE_QUANT_KERNEL") == "triton" or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    try:
+        _kernel(4, 4, 1, 1, 1, False, False, False)
+    except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
+        return False
+    return True
+
+
+def usable(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
+    """bf16 activations on CUDA, 16-byte aligned rows, and a working NVRTC."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and out_dtype in (torch.bfloat16, torch.float32)
+            and (bias is None or bias.dtype == torch.bfloat16) and w.group * w.bits // 32 in (2, 4, 8)
+            and _available())
+
+
+def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
+         blocks: dict[str, int] | None = None) -> torch.Tensor:
+    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype, 1..16 rows."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    n_rows = x2.shape[0]
+    n_out, k = w.shape
+    assert 1 <= n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
+    cfg = blocks or pick_cuda_blocks(n_rows, n_out, k, w.group)
+    kernel = _kernel(w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], silu_input, bias is not None,
+                     out_dtype == torch.float32)
+    out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
+    n_blocks = -(-n_out // (WARPS * cfg["RN"]))
+    kernel(grid=(n_blocks, 1, 1), block=(32 * WARPS, 1, 1),
+           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0)])
+    return out.view(*lead, n_out)
