@@ -275,8 +275,19 @@ MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False
             "wo": (1536, 1536, False, 4, 32), "gate_up": (17920, 1536, False, 4, 32),
             "down_q4k": (1536, 8960, True, 4, 32), "down_q6k": (1536, 8960, True, 8, 16),
             "output": (151936, 1536, False, 8, 16)}
-# CUDA kernel: (output rows per warp, groups in flight per lane) swept per matrix and row count.
-SWEEP = {1: [(rn, u) for rn in (1, 2, 4, 8) for u in (1, 2, 4, 8)], 8: [(rn, u) for rn in (1, 2) for u in (1, 2, 4)]}
+# CUDA kernel: (output rows per warp, groups in flight per lane, warps splitting K) per row count.
+SWEEP = {1: [(rn, u, ks) for rn in (1, 2, 4) for u in (1, 2) for ks in (1, 2, 4, 8)],
+         8: [(rn, 1, ks) for rn in (1, 2) for ks in (1, 4, 8)]}
+
+
+def precompile() -> None:
+    """Builds every swept CUDA variant at once (NVRTC runs outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    variants = {(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
+                for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda v: linear_cuda._kernel(*v), sorted(variants)))
 
 
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
@@ -337,11 +348,11 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
         r["cuda"] = timed(cuda, calls, qbytes)
         r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(m, n, k, qw.group)
     best: tuple[str, float] | None = None
-    for idx, (rn, u) in enumerate(SWEEP[m]):
+    for idx, (rn, u, ks) in enumerate(SWEEP[m]):
         if idx % shard[1] != shard[0]:
             continue
-        label = f"rn{rn}u{u}"
-        us = timed(lambda b={"RN": rn, "U": u}: cuda(b), calls, qbytes).get("us")
+        label = f"rn{rn}u{u}k{ks}"
+        us = timed(lambda b={"RN": rn, "U": u, "KSPLIT": ks}: cuda(b), calls, qbytes).get("us")
         r[label] = us
         if isinstance(us, float) and (best is None or us < best[1]):
             best = (label, us)
@@ -353,6 +364,9 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
 def section_matrices(shard: tuple[int, int] = (0, 1)) -> None:
     """Each projection alone: bf16 (cuBLAS, Triton) vs the quantized kernels over a sweep of blocks."""
     rows_out = []
+    t0 = time.perf_counter()
+    precompile()
+    print(f"CUDA variants built in {time.perf_counter() - t0:.0f} s", flush=True)
     for name, (n, k, silu, bits, group) in MATRICES.items():
         qs = Rotation(quant_copies(n, k, bits, group))
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)

@@ -30,7 +30,7 @@ import torch
 
 from specserve.kernels.linear import QuantWeight
 
-WARPS = 4  # per block
+WARPS = 8  # per block (the source's WARPS)
 
 SOURCE = r"""
 #define BITS __BITS__
@@ -38,13 +38,16 @@ SOURCE = r"""
 #define M __M__
 #define RN __RN__
 #define U __U__
+#define KSPLIT __KSPLIT__
 #define SILU __SILU__
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
 #define PER (32 / BITS)
 #define G (PER * WPG)
+#define GS (G + 4)  // floats per staged group: 16 bytes of padding keep lanes on distinct banks
 #define MASK ((1u << BITS) - 1u)
 #define TOP (23 - BITS)
+#define WARPS 8
 
 typedef unsigned short bf16_t;
 typedef unsigned long long u64;
@@ -73,39 +76,6 @@ __device__ __forceinline__ float field(unsigned w, int i) {
     const unsigned t = shift >= 0 ? (w >> shift) : (w << -shift);
     return __uint_as_float((t & (MASK << TOP)) | 0x3F800000u);
 }
-// WPG consecutive bf16 at p as WPG / 2 words (p is aligned to WPG elements)
-__device__ __forceinline__ void load_pairs(const bf16_t* p, unsigned* r) {
-#if WPG == 2
-    r[0] = *(const unsigned*)p;
-#elif WPG == 4
-    const uint2 v = *(const uint2*)p;
-    r[0] = v.x; r[1] = v.y;
-#else
-#pragma unroll
-    for (int q = 0; q < WPG / 8; ++q) {
-        const uint4 v = *((const uint4*)p + q);
-        r[4 * q] = v.x; r[4 * q + 1] = v.y; r[4 * q + 2] = v.z; r[4 * q + 3] = v.w;
-    }
-#endif
-}
-__device__ __forceinline__ void load_x(const bf16_t* p, int K, float* xv) {
-    unsigned r[WPG / 2];
-    load_pairs(p, r);
-#if SILU
-    unsigned up[WPG / 2];
-    load_pairs(p + K, up);
-#endif
-#pragma unroll
-    for (int h = 0; h < WPG / 2; ++h) {
-#if SILU
-        xv[2 * h] = silu_mul(lo_bf(r[h]), lo_bf(up[h]));
-        xv[2 * h + 1] = silu_mul(hi_bf(r[h]), hi_bf(up[h]));
-#else
-        xv[2 * h] = lo_bf(r[h]);
-        xv[2 * h + 1] = hi_bf(r[h]);
-#endif
-    }
-}
 __device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
 #if WPG == 2
     const uint2 v = __ldg((const uint2*)p);
@@ -118,14 +88,31 @@ __device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
     }
 #endif
 }
+// the WPG staged activations of one bit field
+__device__ __forceinline__ void read_x(const float* p, float* xv) {
+#if WPG == 2
+    const float2 v = *(const float2*)p;
+    xv[0] = v.x; xv[1] = v.y;
+#else
+#pragma unroll
+    for (int q = 0; q < WPG / 4; ++q) {
+        const float4 v = *((const float4*)p + q);
+        xv[4 * q] = v.x; xv[4 * q + 1] = v.y; xv[4 * q + 2] = v.z; xv[4 * q + 3] = v.w;
+    }
+#endif
+}
 
-extern "C" __global__ void __launch_bounds__(128) gemv_q(
+// Block: WARPS warps = WARPS / KSPLIT row sets of RN output rows; the KSPLIT warps of a set split
+// the groups of K. Activations are staged in shared memory as fp32 (SwiGLU applied once per block),
+// CG groups at a time.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
     const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
-    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x)
+    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG)
 {
-    const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * RN;
-    if (n0 >= N) return;
+    extern __shared__ float xs[];  // [M][CG][GS]; reused for the cross-warp sums at the end
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kw = warp % KSPLIT;
+    const int n0 = (blockIdx.x * (WARPS / KSPLIT) + warp / KSPLIT) * RN;
     const int n_groups = K / G;
     float acc[RN][M];
 #pragma unroll
@@ -133,55 +120,91 @@ extern "C" __global__ void __launch_bounds__(128) gemv_q(
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
-    for (int g0 = lane; g0 < n_groups; g0 += 32 * U) {
-        unsigned wv[U][RN][WPG];
-        unsigned smv[U][RN];
+    for (int c0 = 0; c0 < n_groups; c0 += CG) {
+        const int cg = CG < n_groups - c0 ? CG : n_groups - c0;
+        __syncthreads();
+        for (int e = threadIdx.x * 8; e < M * cg * G; e += 32 * WARPS * 8) {  // 8 activations per step
+            const int m = e / (cg * G), kk = e % (cg * G);
+            const bf16_t* src = x + (u64)m * stride_x + c0 * G + kk;
+            const uint4 a = *(const uint4*)src;
+            unsigned pa[4] = {a.x, a.y, a.z, a.w};
+            float v[8];
+#if SILU
+            const uint4 b = *(const uint4*)(src + K);
+            unsigned pb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int g = g0 + 32 * u;
+            for (int h = 0; h < 4; ++h) {
+                v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+                v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+            }
+#else
 #pragma unroll
-            for (int r = 0; r < RN; ++r) {
-                const u64 row = (u64)(n0 + r < N ? n0 + r : N - 1) * n_groups;  // rows past N: not stored
-                if (g < n_groups) {
-                    load_words(w + (row + g) * WPG, wv[u][r]);
-                    smv[u][r] = __ldg(sm + row + g);
-                }
+            for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+#endif
+            float* dst = xs + (m * CG + kk / G) * GS + kk % G;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                float4 f;
+                f.x = v[4 * q]; f.y = v[4 * q + 1]; f.z = v[4 * q + 2]; f.w = v[4 * q + 3];
+                *((float4*)dst + q) = f;
             }
         }
+        __syncthreads();
+        if (n0 < N) {
+            // lane (lane, kw) owns the groups g = lane + 32 kw (mod 32 KSPLIT) whatever the chunking, so
+            // its sums run in the same order for any number of rows
+            const int step = 32 * KSPLIT;
+            for (int t0 = (lane + 32 * kw - c0 % step + step) % step; t0 < cg; t0 += step * U) {
+                unsigned wv[U][RN][WPG];
+                unsigned smv[U][RN];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int g = g0 + 32 * u;
-            if (g < n_groups) {
-                float part[RN][M], x_sum[M];
+                for (int u = 0; u < U; ++u) {
+                    const int t = t0 + step * u;
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    x_sum[m] = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < RN; ++r) part[r][m] = 0.0f;
-                }
-#pragma unroll
-                for (int i = 0; i < PER; ++i) {
-                    float xv[M][WPG];
-#pragma unroll
-                    for (int m = 0; m < M; ++m) load_x(x + (u64)m * stride_x + g * G + i * WPG, K, xv[m]);
-#pragma unroll
-                    for (int j = 0; j < WPG; ++j) {
-#pragma unroll
-                        for (int m = 0; m < M; ++m) x_sum[m] += xv[m][j];
-#pragma unroll
-                        for (int r = 0; r < RN; ++r) {
-                            const float v = field(wv[u][r][j], i);
-#pragma unroll
-                            for (int m = 0; m < M; ++m) part[r][m] = fmaf(v, xv[m][j], part[r][m]);
+                    for (int r = 0; r < RN; ++r) {
+                        const u64 row = (u64)(n0 + r < N ? n0 + r : N - 1) * n_groups + c0;  // past N: not stored
+                        if (t < cg) {
+                            load_words(w + (row + t) * WPG, wv[u][r]);
+                            smv[u][r] = __ldg(sm + row + t);
                         }
                     }
                 }
 #pragma unroll
-                for (int r = 0; r < RN; ++r) {
-                    const float s = half_to_float(smv[u][r] & 0xffffu), mn = half_to_float(smv[u][r] >> 16);
+                for (int u = 0; u < U; ++u) {
+                    const int t = t0 + step * u;
+                    if (t < cg) {
+                        float part[RN][M], x_sum[M];
 #pragma unroll
-                    for (int m = 0; m < M; ++m)
-                        acc[r][m] += s * ((part[r][m] - x_sum[m]) * (float)(1 << BITS)) - mn * x_sum[m];
+                        for (int m = 0; m < M; ++m) {
+                            x_sum[m] = 0.0f;
+#pragma unroll
+                            for (int r = 0; r < RN; ++r) part[r][m] = 0.0f;
+                        }
+#pragma unroll
+                        for (int i = 0; i < PER; ++i) {
+                            float xv[M][WPG];
+#pragma unroll
+                            for (int m = 0; m < M; ++m) read_x(xs + (m * CG + t) * GS + i * WPG, xv[m]);
+#pragma unroll
+                            for (int j = 0; j < WPG; ++j) {
+#pragma unroll
+                                for (int m = 0; m < M; ++m) x_sum[m] += xv[m][j];
+#pragma unroll
+                                for (int r = 0; r < RN; ++r) {
+                                    const float f = field(wv[u][r][j], i);
+#pragma unroll
+                                    for (int m = 0; m < M; ++m) part[r][m] = fmaf(f, xv[m][j], part[r][m]);
+                                }
+                            }
+                        }
+#pragma unroll
+                        for (int r = 0; r < RN; ++r) {
+                            const float s = half_to_float(smv[u][r] & 0xffffu), mn = half_to_float(smv[u][r] >> 16);
+#pragma unroll
+                            for (int m = 0; m < M; ++m)
+                                acc[r][m] += s * ((part[r][m] - x_sum[m]) * (float)(1 << BITS)) - mn * x_sum[m];
+                        }
+                    }
                 }
             }
         }
@@ -192,6 +215,27 @@ extern "C" __global__ void __launch_bounds__(128) gemv_q(
         for (int m = 0; m < M; ++m)
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], off);
+#if KSPLIT > 1
+    __syncthreads();  // the staged activations are no longer read: their space takes the partial sums
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RN; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) xs[(warp * RN + r) * M + m] = acc[r][m];
+    }
+    __syncthreads();
+    if (kw != 0) return;
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RN; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float total = 0.0f;
+                for (int q = 0; q < KSPLIT; ++q) total += xs[((warp + q) * RN + r) * M + m];
+                acc[r][m] = total;
+            }
+    }
+#endif
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < RN; ++r) {
@@ -215,19 +259,23 @@ extern "C" __global__ void __launch_bounds__(128) gemv_q(
 }
 """
 
+SMEM_BYTES = 48 * 1024  # staged activations per block, without opting in to more
+
 
 def pick_cuda_blocks(n_rows: int, n_out: int, k: int, group: int) -> dict[str, int]:
-    """Output rows per warp (RN) and groups in flight per lane (U): H200 sweep,
-    benchmarks/kernel_bench.py --sections matrices."""
-    rn = (4 if n_out >= 8192 else 1) if n_rows == 1 else max(1, 8 // n_rows)
-    return {"RN": rn, "U": 4 if k // group > 64 else 2}
+    """Output rows per warp (RN), groups in flight per lane (U), warps splitting K (KSPLIT): H200
+    sweep, benchmarks/kernel_bench.py --sections matrices. KSPLIT depends on the shape only, so a
+    row's sums run in the same order for any number of rows."""
+    ksplit = 8 if k >= 4096 and n_out < 8192 else 1
+    rn = (4 if n_out >= 8192 else 2) if n_rows == 1 else max(1, 4 // n_rows)
+    return {"RN": rn, "U": 2, "KSPLIT": ksplit}
 
 
 @cache
-def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, silu: bool, bias: bool, out_f32: bool) -> Any:
+def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, ksplit: int, silu: bool, bias: bool, out_f32: bool) -> Any:
     src = SOURCE
-    for key, val in {"BITS": bits, "WPG": wpg, "M": m, "RN": rn, "U": u, "SILU": int(silu), "BIAS": int(bias),
-                     "OUT_F32": int(out_f32)}.items():
+    for key, val in {"BITS": bits, "WPG": wpg, "M": m, "RN": rn, "U": u, "KSPLIT": ksplit, "SILU": int(silu),
+                     "BIAS": int(bias), "OUT_F32": int(out_f32)}.items():
         src = src.replace(f"__{key}__", str(val))
     return torch.cuda._compile_kernel(src, "gemv_q")
 
@@ -237,17 +285,29 @@ def _available() -> bool:
     if os.environ.get("SPECSERVE_QUANT_KERNEL") == "triton" or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
-        _kernel(4, 4, 1, 1, 1, False, False, False)
+        _kernel(4, 4, 1, 1, 1, 1, False, False, False)
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
         return False
     return True
 
 
 def usable(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
-    """bf16 activations on CUDA, 16-byte aligned rows, and a working NVRTC."""
+    """bf16 activations on CUDA, an input size in whole 8-value steps, and a working NVRTC."""
+    k = w.shape[1]
     return (x.is_cuda and x.dtype == torch.bfloat16 and out_dtype in (torch.bfloat16, torch.float32)
             and (bias is None or bias.dtype == torch.bfloat16) and w.group * w.bits // 32 in (2, 4, 8)
-            and _available())
+            and k % 8 == 0 and _available())
+
+
+def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
+    """Groups staged at a time: all of K if it fits, else preferably a multiple of the 32 * KSPLIT
+    groups one pass of a row set covers (fewer idle lanes)."""
+    n_groups = k // group
+    fit = SMEM_BYTES // (n_rows * (group + 4) * 4)
+    if fit >= n_groups:
+        return n_groups
+    step = 32 * ksplit
+    return max(step, fit // step * step) if fit >= step else max(8, fit // 8 * 8)
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
@@ -261,10 +321,14 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     n_out, k = w.shape
     assert 1 <= n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
     cfg = blocks or pick_cuda_blocks(n_rows, n_out, k, w.group)
-    kernel = _kernel(w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], silu_input, bias is not None,
-                     out_dtype == torch.float32)
+    kernel = _kernel(w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], cfg["KSPLIT"], silu_input,
+                     bias is not None, out_dtype == torch.float32)
+    cg = chunk_groups(n_rows, k, w.group, cfg["KSPLIT"])
+    smem = max(n_rows * cg * (w.group + 4) * 4, WARPS * cfg["RN"] * n_rows * 4)
+    assert smem <= SMEM_BYTES, "activations too wide to stage"
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
-    n_blocks = -(-n_out // (WARPS * cfg["RN"]))
-    kernel(grid=(n_blocks, 1, 1), block=(32 * WARPS, 1, 1),
-           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0)])
+    rows_per_block = WARPS // cfg["KSPLIT"] * cfg["RN"]
+    kernel(grid=(-(-n_out // rows_per_block), 1, 1), block=(32 * WARPS, 1, 1),
+           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), cg],
+           shared_mem=smem)
     return out.view(*lead, n_out)
