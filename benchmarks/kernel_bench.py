@@ -286,8 +286,12 @@ def precompile() -> None:
 
     variants = {(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
                 for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
+    def build(v: tuple) -> None:
+        torch.cuda.set_device(DEV)  # makes the context current in this thread for loading the module
+        linear_cuda._kernel(*v)
+
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda v: linear_cuda._kernel(*v), sorted(variants)))
+        list(pool.map(build, sorted(variants)))
 
 
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
