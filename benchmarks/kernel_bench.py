@@ -287,7 +287,7 @@ def precompile() -> None:
     variants = {(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
                 for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
     def build(v: tuple) -> None:
-        torch.cuda.set_device(DEV)  # makes the context current in this thread for loading the module
+        torch.cuda.set_device(0)  # makes the context current in this thread for loading the module
         linear_cuda._kernel(*v)
 
     with ThreadPoolExecutor(16) as pool:
