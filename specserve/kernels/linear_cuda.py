@@ -1,23 +1,27 @@
 """CUDA C matrix-vector kernel for bit-packed quantized weights (QuantWeight), 1..16 rows, bf16.
 
-Triton versions of this kernel (linear_triton.py) stayed at a third of the memory bandwidth on an
-H200: the per-weight work of unpacking is where the time goes, and Triton's layouts for the
-grouped tiles added shuffles. This kernel is written so that every weight costs one shift, one
-logic op (LOP3) and one FMA per activation row:
+Per weight it costs one shift, one logic op (LOP3) and one FMA per activation row:
 
-- one warp computes RN output rows; each lane walks the row's groups (16..32 weights, one
-  16-byte load for the 4-bit / 32 and 8-bit / 16 layouts) with U groups in flight;
+- a block of 8 warps stages the activations in shared memory once, as fp32 (SwiGLU of a
+  [gate | up] input applied there, rounded as torch rounds it), padded so that lanes reading
+  16 bytes each hit distinct banks; the first weights are already in flight meanwhile;
+- each warp computes RN output rows; KSPLIT warps share a row set and split its groups; a
+  lane walks its groups (16..32 weights: one 16-byte load in the 4-bit / 32 and 8-bit / 16
+  layouts) with U groups in flight;
 - a bit field becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent (no
   conversion instruction); per group, s * sum(u x) - min * sum(x) is recovered from
   sum((1 + u / 2^bits) x) and sum(x), so scales touch each group once, not each weight;
-- activations are read straight from global memory (L1-cached), converted with one shift or
-  AND per bf16 value; SwiGLU of a [gate | up] input is fused, rounded as torch rounds it;
-- every (output row, activation row) pair runs the same instruction sequence whatever the
-  number of rows, so a verify step of 8 rows computes bit for bit what 8 decode steps compute.
+- a lane owns the same groups whatever the row count and every (output row, activation row)
+  pair runs the same instruction sequence, so a verify step of 8 rows computes bit for bit
+  what 8 one-row decode steps compute (tests/test_kernels.py checks this).
 
-Compiled at first use with NVRTC through torch (`torch.cuda._compile_kernel`), one build per
-variant (integer width, rows, fusion flags), a fraction of a second each. Where that is not
-available, or for other dtypes, `usable` says no and the Triton kernels run instead.
+On an H200 (benchmarks/results/kernel_notes.md, v4) one row runs at bf16's speed per matrix or
+better with 2.1x fewer bytes (the output matrix at 3.7-4 TB/s); several rows are arithmetic-bound
+on CUDA cores (8 rows: 3-5x one row), which is why float weights stay the default.
+Triton versions of this kernel (linear_triton.py, the fallback) stayed at a third of the
+bandwidth. Compiled at first use with NVRTC through torch (`torch.cuda._compile_kernel`), one
+build per variant (integer width, rows, blocks, fusion flags). Where that is not available, or
+for other dtypes, `usable` says no and the Triton kernels run instead.
 """
 
 from __future__ import annotations
@@ -88,6 +92,23 @@ __device__ __forceinline__ void load_words(const unsigned* p, unsigned* w) {
     }
 #endif
 }
+// the words and (scale, min) of U groups t0, t0 + step, .. of RN rows
+__device__ __forceinline__ void load_batch(const unsigned* w, const unsigned* sm, int n0, int N, int n_groups, int c0,
+                                           int t0, int cg, int step, unsigned (&wv)[U][RN][WPG],
+                                           unsigned (&smv)[U][RN]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int t = t0 + step * u;
+#pragma unroll
+        for (int r = 0; r < RN; ++r) {
+            const u64 row = (u64)(n0 + r < N ? n0 + r : N - 1) * n_groups + c0;  // rows past N: not stored
+            if (t < cg) {
+                load_words(w + (row + t) * WPG, wv[u][r]);
+                smv[u][r] = __ldg(sm + row + t);
+            }
+        }
+    }
+}
 // the WPG staged activations of one bit field
 __device__ __forceinline__ void read_x(const float* p, float* xv) {
 #if WPG == 2
@@ -120,8 +141,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
+    // lane (lane, kw) owns the groups g = lane + 32 kw (mod 32 KSPLIT) whatever the chunking, so its
+    // sums run in the same order for any number of rows
+    const int step = 32 * KSPLIT;
+    unsigned wv[U][RN][WPG];
+    unsigned smv[U][RN];
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = CG < n_groups - c0 ? CG : n_groups - c0;
+        int t0 = (lane + 32 * kw - c0 % step + step) % step;
+        // the first weights are in flight while the activations are staged
+        if (n0 < N && t0 < cg) load_batch(w, sm, n0, N, n_groups, c0, t0, cg, step, wv, smv);
         __syncthreads();
         for (int e = threadIdx.x * 8; e < M * cg * G; e += 32 * WARPS * 8) {  // 8 activations per step
             const int m = e / (cg * G), kk = e % (cg * G);
@@ -150,63 +179,47 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
             }
         }
         __syncthreads();
-        if (n0 < N) {
-            // lane (lane, kw) owns the groups g = lane + 32 kw (mod 32 KSPLIT) whatever the chunking, so
-            // its sums run in the same order for any number of rows
-            const int step = 32 * KSPLIT;
-            for (int t0 = (lane + 32 * kw - c0 % step + step) % step; t0 < cg; t0 += step * U) {
-                unsigned wv[U][RN][WPG];
-                unsigned smv[U][RN];
+        if (n0 >= N) continue;
+        while (t0 < cg) {
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = t0 + step * u;
+            for (int u = 0; u < U; ++u) {
+                const int t = t0 + step * u;
+                if (t < cg) {
+                    float part[RN][M], x_sum[M];
 #pragma unroll
-                    for (int r = 0; r < RN; ++r) {
-                        const u64 row = (u64)(n0 + r < N ? n0 + r : N - 1) * n_groups + c0;  // past N: not stored
-                        if (t < cg) {
-                            load_words(w + (row + t) * WPG, wv[u][r]);
-                            smv[u][r] = __ldg(sm + row + t);
-                        }
+                    for (int m = 0; m < M; ++m) {
+                        x_sum[m] = 0.0f;
+#pragma unroll
+                        for (int r = 0; r < RN; ++r) part[r][m] = 0.0f;
                     }
-                }
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int t = t0 + step * u;
-                    if (t < cg) {
-                        float part[RN][M], x_sum[M];
+                    for (int i = 0; i < PER; ++i) {
+                        float xv[M][WPG];
 #pragma unroll
-                        for (int m = 0; m < M; ++m) {
-                            x_sum[m] = 0.0f;
+                        for (int m = 0; m < M; ++m) read_x(xs + (m * CG + t) * GS + i * WPG, xv[m]);
 #pragma unroll
-                            for (int r = 0; r < RN; ++r) part[r][m] = 0.0f;
-                        }
+                        for (int j = 0; j < WPG; ++j) {
 #pragma unroll
-                        for (int i = 0; i < PER; ++i) {
-                            float xv[M][WPG];
+                            for (int m = 0; m < M; ++m) x_sum[m] += xv[m][j];
 #pragma unroll
-                            for (int m = 0; m < M; ++m) read_x(xs + (m * CG + t) * GS + i * WPG, xv[m]);
+                            for (int r = 0; r < RN; ++r) {
+                                const float f = field(wv[u][r][j], i);
 #pragma unroll
-                            for (int j = 0; j < WPG; ++j) {
-#pragma unroll
-                                for (int m = 0; m < M; ++m) x_sum[m] += xv[m][j];
-#pragma unroll
-                                for (int r = 0; r < RN; ++r) {
-                                    const float f = field(wv[u][r][j], i);
-#pragma unroll
-                                    for (int m = 0; m < M; ++m) part[r][m] = fmaf(f, xv[m][j], part[r][m]);
-                                }
+                                for (int m = 0; m < M; ++m) part[r][m] = fmaf(f, xv[m][j], part[r][m]);
                             }
                         }
+                    }
 #pragma unroll
-                        for (int r = 0; r < RN; ++r) {
-                            const float s = half_to_float(smv[u][r] & 0xffffu), mn = half_to_float(smv[u][r] >> 16);
+                    for (int r = 0; r < RN; ++r) {
+                        const float s = half_to_float(smv[u][r] & 0xffffu), mn = half_to_float(smv[u][r] >> 16);
 #pragma unroll
-                            for (int m = 0; m < M; ++m)
-                                acc[r][m] += s * ((part[r][m] - x_sum[m]) * (float)(1 << BITS)) - mn * x_sum[m];
-                        }
+                        for (int m = 0; m < M; ++m)
+                            acc[r][m] += s * ((part[r][m] - x_sum[m]) * (float)(1 << BITS)) - mn * x_sum[m];
                     }
                 }
             }
+            t0 += step * U;
+            if (t0 < cg) load_batch(w, sm, n0, N, n_groups, c0, t0, cg, step, wv, smv);
         }
     }
 #pragma unroll
@@ -263,12 +276,11 @@ SMEM_BYTES = 48 * 1024  # staged activations per block, without opting in to mor
 
 
 def pick_cuda_blocks(n_rows: int, n_out: int, k: int, group: int) -> dict[str, int]:
-    """Output rows per warp (RN), groups in flight per lane (U), warps splitting K (KSPLIT): H200
-    sweep, benchmarks/kernel_bench.py --sections matrices. KSPLIT depends on the shape only, so a
-    row's sums run in the same order for any number of rows."""
-    ksplit = 8 if k >= 4096 and n_out < 8192 else 1
-    rn = (4 if n_out >= 8192 else 2) if n_rows == 1 else max(1, 4 // n_rows)
-    return {"RN": rn, "U": 2, "KSPLIT": ksplit}
+    """Output rows per warp (RN), groups in flight per lane (U), warps splitting K (KSPLIT), from an
+    H200 sweep on qwen2.5-coder-1.5b's shapes (benchmarks/kernel_bench.py --sections matrices; RN 2,
+    U 1 was best or within 5% for one and eight rows). KSPLIT depends on the shape only, so a row's
+    sums run in the same order for any number of rows."""
+    return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
 @cache
