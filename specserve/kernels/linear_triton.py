@@ -1,18 +1,15 @@
-"""Triton matrix-vector kernels for 1..16 rows: group-quantized int8 weights, or float weights.
+"""Triton matrix-vector kernels for 1..16 rows: bit-packed quantized weights, or float weights.
 
-Quantized (`_gemv_quant_kernel`): tensor cores for any row count, the rows padded to 16, so
-a verify step of 8 rows costs what a decode step costs. Each K step takes NG groups at once
-as a batched dot [NG, 16, G] x [NG, G, BLOCK_N]; the per-group scale (and min) is applied to
-the group's partial sums, so the weights enter the dot as exact small integers. Integers in
-[-64, 63] (every 4-, 5- and 6-bit GGUF format) become bf16 with no conversion instruction:
-0x4340 + q read as bf16 is 192 + q, and the 192 * sum(x) this adds is taken out with the
-min. Conversions run at 1/8 of the FMA rate on Hopper. Correct, but on an H200 still 2-5x
-slower than the bf16 path per matrix (latency-bound K loops; benchmarks/results/kernel_notes.md
-v3), which is why quantized weights are an option and not the default.
+Quantized (the fallback where the CUDA C kernel of linear_cuda.py cannot be built, and what the
+CPU tests run under Triton's interpreter): `_gemv_quant_row_kernel` takes one row on CUDA cores,
+summing sum((1 + u / 2^bits) x) per group with the bit fields read as floats by an exponent
+trick; `_gemv_quant_dot_kernel` takes 1..16 rows on tensor cores, each bit field dequantized to
+the activation dtype for its own dot. On an H200 both ran at a third of the bandwidth or less
+(benchmarks/results/kernel_notes.md, v4), hence the CUDA C kernel.
 
 Float weights (`_gemv_float_kernel`): one row on CUDA cores with few columns per program so
 every SM has work, wide matrices and more rows through a tensor-core dot; fixed blocks per
-shape (`pick_float_blocks`). Both kernels fuse SwiGLU of a gate|up input (SILU_IN) and the bias.
+shape (`pick_float_blocks`). The kernels fuse SwiGLU of a gate|up input (SILU_IN) and the bias.
 """
 
 from __future__ import annotations
