@@ -161,3 +161,27 @@ def test_spec_params_overrides() -> None:
         base.with_overrides(bogus=1)
     with pytest.raises(SpecserveError, match="out of range"):
         base.with_overrides(ngram_size_m=0)
+
+
+def test_ngram_index_matches_a_scan() -> None:
+    """The incremental index answers as a backward scan of the history would, as the history grows
+    and when it is replaced by another one."""
+    import random
+
+    from specserve.speculative.ngram_index import NgramIndex
+
+    rng = random.Random(5)
+    index = NgramIndex(3)
+    history: list[int] = []
+    for step in range(400):
+        if step == 200:
+            history = history[:50]  # another history: shorter, then growing again
+        history.append(rng.randrange(4))
+        index.update(history)
+        key = [rng.randrange(4) for _ in range(3)]
+        hi = rng.randrange(-1, len(history))
+        scan = next((j for j in range(hi, 0, -1) if history[j:j + 3] == key and j + 3 <= len(history)), None)
+        assert index.latest(key, hi) == scan
+        lo = rng.randrange(0, len(history) + 1)
+        assert index.between(key, lo, hi) == [j for j in range(lo, hi + 1) if history[j:j + 3] == key
+                                              and j + 3 <= len(history)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.speculative.base import SpecParams, Speculator
+from specserve.speculative.ngram_index import NgramIndex
 
 MAX_VALUES = 4  # value m-grams tracked per key
 MAX_COUNT = 16380  # hit and value counts saturate here (they are uint16 in the seed)
@@ -59,6 +60,7 @@ class NgramMap(Speculator):
         self.size_m = params.ngram_size_m
         self.check_rate = params.ngram_check_rate
         self.min_hits = params.ngram_min_hits
+        self._index = NgramIndex(self.size_n)
         self._reset()
 
     def _reset(self) -> None:
@@ -67,6 +69,7 @@ class NgramMap(Speculator):
         self._by_hash: dict[int, list[int]] = {}
         self._idx_last_check = 0
         self._last_value: NgramValue | None = None  # value slot of the last draft, for accept()
+        self._index.reset()
 
     def begin(self, prompt: list[int]) -> None:
         # Keys and values are positions into one history; a new generation's history is another.
@@ -94,7 +97,8 @@ class NgramMap(Speculator):
 
         key = history[cur_len - n + 1:] + [last_sampled]
         # Latest earlier occurrence that still has m tokens after it inside the history.
-        match_pos = self._search(history, key, cur_len - n - m - 1, 0)
+        self._index.update(history)
+        match_pos = self._index.latest(key, cur_len - n - m - 1)
         if match_pos is None:
             return []
 
@@ -120,20 +124,10 @@ class NgramMap(Speculator):
         self._last_value = value
         return history[start:start + min(m, value.n_accepted)]
 
-    def _search(self, history: list[int], key: list[int], hi: int, lo: int) -> int | None:
-        """Highest j in (lo, hi] where the key starts; None if there is none."""
-        n, first = self.size_n, key[0]
-        for j in range(hi, lo, -1):
-            if history[j] == first and history[j:j + n] == key:
-                return j
-        return None
-
     def _count_values(self, history: list[int], key: list[int], entry: NgramKey, match_pos: int) -> None:
         """Count the m-grams after each not yet counted occurrence of the key up to match_pos."""
-        n, m, first = self.size_n, self.size_m, key[0]
-        for i in range(entry.stat_idx, match_pos + 1):
-            if history[i] != first or history[i:i + n] != key:
-                continue
+        n, m = self.size_n, self.size_m
+        for i in self._index.between(key, entry.stat_idx, match_pos):
             begin = i + n
             mgram = history[begin:begin + m]
             for value in entry.values:

@@ -7,6 +7,7 @@ Semantics follow llama.cpp's `common_ngram_simple_draft` (seed `common/ngram-map
 from __future__ import annotations
 
 from specserve.speculative.base import SpecParams, Speculator
+from specserve.speculative.ngram_index import NgramIndex
 
 
 class NgramSimple(Speculator):
@@ -20,9 +21,11 @@ class NgramSimple(Speculator):
         self.size_m = params.ngram_size_m  # most tokens copied after a match
         self.check_rate = params.ngram_check_rate  # search only every check_rate tokens
         self._idx_last_check = 0  # history length at the last search
+        self._index = NgramIndex(self.size_n)
 
     def begin(self, prompt: list[int]) -> None:
         self._idx_last_check = 0
+        self._index.reset()
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         n, m = self.size_n, self.size_m
@@ -37,15 +40,11 @@ class NgramSimple(Speculator):
         pattern = history[cur_len - n + 1:] + [last_sampled]
         self._idx_last_check = cur_len
 
-        # Backwards from the newest candidate that is not the current position itself; position 0
-        # is never a match (the seed uses 0 as "no match").
-        match_pos = 0
-        first = pattern[0]
-        for j in range(cur_len - n - 1, 0, -1):
-            if history[j] == first and history[j:j + n] == pattern:
-                match_pos = j
-                break
-        if match_pos == 0:
+        # The newest candidate that is not the current position itself; position 0 is never a match
+        # (the seed uses 0 as "no match").
+        self._index.update(history)
+        match_pos = self._index.latest(pattern, cur_len - n - 1)
+        if match_pos is None:
             return []
         copy_len = min(m, cur_len - (match_pos + n))
         if copy_len < n:
