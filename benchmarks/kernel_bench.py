@@ -281,17 +281,10 @@ SWEEP = {1: [(rn, u, ks) for rn in (1, 2, 4) for u in (1, 2) for ks in (1, 2, 4,
 
 
 def precompile() -> None:
-    """Builds every swept CUDA variant at once (NVRTC runs outside the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    variants = {(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
-                for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
-    def build(v: tuple) -> None:
-        torch.cuda.set_device(0)  # makes the context current in this thread for loading the module
-        linear_cuda._kernel(*v)
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(build, sorted(variants)))
+    """Builds every swept CUDA variant at once."""
+    linear_cuda.prebuild(sorted({(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
+                                 for _, k, silu, bits, group in MATRICES.values()
+                                 for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}))
 
 
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:

@@ -27,6 +27,8 @@ for other dtypes, `usable` says no and the Triton kernels run instead.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -283,13 +285,43 @@ def pick_cuda_blocks(n_rows: int, n_out: int, k: int, group: int) -> dict[str, i
     return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
-@cache
-def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, ksplit: int, silu: bool, bias: bool, out_f32: bool) -> Any:
+_builds: dict[tuple, Future] = {}
+_builds_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _build(device: int, key: tuple) -> Any:
+    torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
     src = SOURCE
-    for key, val in {"BITS": bits, "WPG": wpg, "M": m, "RN": rn, "U": u, "KSPLIT": ksplit, "SILU": int(silu),
-                     "BIAS": int(bias), "OUT_F32": int(out_f32)}.items():
-        src = src.replace(f"__{key}__", str(val))
+    for name, val in zip(("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32"), key, strict=True):
+        src = src.replace(f"__{name}__", str(int(val)))
     return torch.cuda._compile_kernel(src, "gemv_q")
+
+
+def _submit(keys: list[tuple]) -> None:
+    global _pool
+    with _builds_lock:
+        _pool = _pool or ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
+        device = torch.cuda.current_device()
+        for key in keys:
+            if key not in _builds:
+                _builds[key] = _pool.submit(_build, device, key)
+
+
+def prebuild(keys: list[tuple]) -> None:
+    """Builds the variants (bits, words per group, rows, RN, U, KSPLIT, silu, bias, fp32 out) at once."""
+    _submit(keys)
+    for key in keys:
+        _builds[key].result()
+
+
+def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, ksplit: int, silu: bool, bias: bool, out_f32: bool) -> Any:
+    """The built variant. Asking for one row count starts the builds of all 16 (NVRTC runs outside
+    the GIL): graph capture asks for each row count in turn, and one by one the builds took ~40 s
+    of a quantized model's warm-up."""
+    key = (bits, wpg, m, rn, u, ksplit, silu, bias, out_f32)
+    _submit([key] + [(bits, wpg, rows, *key[3:]) for rows in range(1, 17) if rows != m])
+    return _builds[key].result()
 
 
 @cache
