@@ -307,6 +307,20 @@ def test_static_file_is_used(tmp_path: Path) -> None:
     assert spec.draft([6], 7, n_max=4) == [8, 9]
 
 
+def test_static_file_is_loaded_once_for_all_slots(tmp_path: Path) -> None:
+    """Slots share one read-only copy of a static cache; a rewritten file is loaded again."""
+    import os
+
+    path = tmp_path / "static.bin"
+    save_cache({(6, 7): {8: 3}}, path)
+    a, b = make(static=str(path)), make(static=str(path))
+    assert a.static is b.static
+    save_cache({(6, 7): {9: 3}, (1, 2): {3: 4}}, path)
+    os.utime(path, ns=(1, 1))  # a different stamp even on a coarse clock
+    c = make(static=str(path))
+    assert c.static is not a.static and c.static[(6, 7)] == {9: 3}
+
+
 def test_malformed_static_or_dynamic_file_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.bin"
     bad.write_bytes(record((1,), [(2, 1)])[:-4])

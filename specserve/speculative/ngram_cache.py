@@ -17,6 +17,7 @@ import sys
 import tempfile
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 from specserve.errors import SpecserveError
@@ -263,6 +264,13 @@ def _file_stamp(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
+@lru_cache(maxsize=4)
+def _shared_static(path: Path, stamp: tuple[int, int] | None) -> NgramCache:
+    """A static cache file, loaded once for all speculators (slots) that use it: it is only read.
+    Keyed by the file's mtime and size, so a rewritten file is loaded again."""
+    return load_cache(path)
+
+
 class NgramCacheSpeculator(Speculator):
     """The `ngram-cache` type: drafts from the context cache, the dynamic file, the static file.
 
@@ -283,7 +291,7 @@ class NgramCacheSpeculator(Speculator):
         if self.static_path is not None:
             if not self.static_path.is_file():
                 raise SpecserveError(f"static lookup cache not found: {self.static_path}")
-            self.static = load_cache(self.static_path)
+            self.static = _shared_static(self.static_path, _file_stamp(self.static_path))
         self._dynamic_stamp: tuple[int, int] | None = None  # file state the in-memory cache matches
         if self.dynamic_path is not None and self.dynamic_path.exists():
             self.dynamic = load_cache(self.dynamic_path)
