@@ -16,7 +16,7 @@ from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import IncrementalDecoder, Tokenizer
 from specserve.speculative.base import Chain, SpecParams
-from specserve.speculative.draft_model import check_vocab_compatible
+from specserve.speculative.draft_model import load_with_draft
 from specserve.speculative.factory import build_chain
 
 
@@ -32,13 +32,9 @@ class GenerationSession:
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
              progress: bool = True, weight_format: str = "auto") -> GenerationSession:
-        runner = LocalRunner(catalog.resolve(model), n_ctx=n_ctx, device=device, progress=progress,
-                             weight_format=weight_format)
-        draft_runner = None
-        if draft_model is not None:
-            draft_runner = LocalRunner(catalog.resolve(draft_model), n_ctx=runner.n_ctx, device=device,
-                                       progress=progress, weight_format=weight_format)
-            check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+        runner, draft_runner = load_with_draft(
+            catalog.resolve(model), catalog.resolve(draft_model) if draft_model is not None else None,
+            n_ctx=n_ctx, device=device, progress=progress, weight_format=weight_format)
         return cls(runner, Tokenizer.from_gguf(runner.gguf), sampling or SamplingParams(),
                    (spec or SpecParams()).validate(), draft_runner)
 

@@ -22,7 +22,7 @@ from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.speculative.base import SpecParams
-from specserve.speculative.draft_model import check_vocab_compatible
+from specserve.speculative.draft_model import load_with_draft
 from specserve.speculative.factory import build_chain
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,10 @@ class Engine:
         check_settings(settings)
         n_ctx = settings.slot_ctx()
         path = catalog.resolve(settings.model)
-        runner = LocalRunner(path, n_seqs=settings.n_parallel, n_ctx=n_ctx, device=settings.device,
-                             progress=progress, weight_format=settings.weight_format)
-        draft_runner = None
-        if settings.model_draft is not None:
-            draft_runner = LocalRunner(catalog.resolve(settings.model_draft), n_seqs=settings.n_parallel,
-                                       n_ctx=runner.n_ctx, device=settings.device, progress=progress,
-                                       weight_format=settings.weight_format)
-            check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+        draft_path = catalog.resolve(settings.model_draft) if settings.model_draft is not None else None
+        runner, draft_runner = load_with_draft(path, draft_path, n_seqs=settings.n_parallel, n_ctx=n_ctx,
+                                               device=settings.device, progress=progress,
+                                               weight_format=settings.weight_format)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
         runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))

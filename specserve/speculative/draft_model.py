@@ -9,6 +9,7 @@ as llama.cpp's draft sampler computes it) falls below p_min.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +48,17 @@ def check_vocab_compatible(target: dict[str, Any], draft: dict[str, Any]) -> Non
                 break
     if problems:
         raise SpecserveError("the draft model is not compatible with the target: " + "; ".join(problems))
+
+
+def load_with_draft(target: Path, draft: Path | None, **runner_args: Any) -> tuple[LocalRunner, LocalRunner | None]:
+    """The target's runner and, if a draft model is given, the draft's: same settings and context
+    size, vocabulary checked against the target's."""
+    runner = LocalRunner(target, **runner_args)
+    if draft is None:
+        return runner, None
+    draft_runner = LocalRunner(draft, **{**runner_args, "n_ctx": runner.n_ctx})
+    check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+    return runner, draft_runner
 
 
 class DraftModelSpeculator(Speculator):
