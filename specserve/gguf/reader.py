@@ -19,23 +19,15 @@ from specserve.kernels.linear import QuantWeight
 
 GGUF_MAGIC = b"GGUF"
 
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q4_1,
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
-}
+# Float types, and the block formats that can also stay quantized (tested against gguf's decoder).
+SUPPORTED_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16} | REPACKABLE
 
 
 def _field_value(field: Any) -> Any:
-    """Plain Python value of a metadata field (str, int, float, bool or list of those)."""
+    """Plain Python value of a metadata field (str, int, float, bool or list of those).
+
+    Not gguf's `ReaderField.contents()`: that decodes strings strictly, and some vocabularies hold
+    token strings that are not valid UTF-8; here they decode with replacement characters."""
     types = field.types
     if not types:
         return None
