@@ -17,9 +17,25 @@ from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.workloads import load_workloads
 
 N_PREDICT = 64
+# A code edit of our own (the tests do not depend on the benchmark workloads beside the checkout):
+# a small model copies most of the code back, which is what the draft-free types exploit.
+CODE_EDIT = [{"role": "user", "content": """Rename the variable `total` to `running_sum` in this function and \
+return the whole function.
+
+```python
+def summarize(values):
+    total = 0
+    count = 0
+    for value in values:
+        if value is None:
+            continue
+        total = total + value
+        count = count + 1
+    average = total / count if count else 0.0
+    return {"total": total, "count": count, "average": average}
+```"""}]
 NGRAM_TYPES = {
     "ngram-simple": SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8),
     "ngram-map-k": SpecParams(type="ngram-map-k", ngram_size_n=4, ngram_size_m=8),
@@ -35,8 +51,7 @@ def tokenizer(smollm_runner: LocalRunner) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def code_edit_prompt(tokenizer: Tokenizer) -> list[int]:
-    messages = load_workloads()["code_edit"][0]  # small models copy this input back nearly verbatim
-    return tokenizer.encode(apply_chat_template(tokenizer, messages), add_special=False)
+    return tokenizer.encode(apply_chat_template(tokenizer, CODE_EDIT), add_special=False)
 
 
 @pytest.fixture(scope="module")
