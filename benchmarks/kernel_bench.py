@@ -343,7 +343,7 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
                                  2 * len(fl.items), n * k * 2)
         r["triton"] = timed(tri, calls, qbytes)
         r["cuda"] = timed(cuda, calls, qbytes)
-        r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(m, n, k, qw.group)
+        r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
     best: tuple[str, float] | None = None
     for idx, (rn, u, ks) in enumerate(SWEEP[m]):
         if idx % shard[1] != shard[0]:

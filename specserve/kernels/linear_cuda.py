@@ -36,7 +36,7 @@ import torch
 
 from specserve.kernels.linear import QuantWeight
 
-WARPS = 8  # per block (the source's WARPS)
+WARPS = 8  # per block
 
 SOURCE = r"""
 #define BITS __BITS__
@@ -53,7 +53,7 @@ SOURCE = r"""
 #define GS (G + 4)  // floats per staged group: 16 bytes of padding keep lanes on distinct banks
 #define MASK ((1u << BITS) - 1u)
 #define TOP (23 - BITS)
-#define WARPS 8
+#define WARPS __WARPS__
 
 typedef unsigned short bf16_t;
 typedef unsigned long long u64;
@@ -277,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
 SMEM_BYTES = 48 * 1024  # staged activations per block, without opting in to more
 
 
-def pick_cuda_blocks(n_rows: int, n_out: int, k: int, group: int) -> dict[str, int]:
+def pick_cuda_blocks(k: int) -> dict[str, int]:
     """Output rows per warp (RN), groups in flight per lane (U), warps splitting K (KSPLIT), from an
     H200 sweep on qwen2.5-coder-1.5b's shapes (benchmarks/kernel_bench.py --sections matrices; RN 2,
     U 1 was best or within 5% for one and eight rows). KSPLIT depends on the shape only, so a row's
@@ -292,7 +292,7 @@ _pool: ThreadPoolExecutor | None = None
 
 def _build(device: int, key: tuple) -> Any:
     torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
-    src = SOURCE
+    src = SOURCE.replace("__WARPS__", str(WARPS))
     for name, val in zip(("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32"), key, strict=True):
         src = src.replace(f"__{name}__", str(int(val)))
     return torch.cuda._compile_kernel(src, "gemv_q")
@@ -320,8 +320,11 @@ def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, ksplit: int, silu: boo
     the GIL): graph capture asks for each row count in turn, and one by one the builds took ~40 s
     of a quantized model's warm-up."""
     key = (bits, wpg, m, rn, u, ksplit, silu, bias, out_f32)
-    _submit([key] + [(bits, wpg, rows, *key[3:]) for rows in range(1, 17) if rows != m])
-    return _builds[key].result()
+    built = _builds.get(key)  # every call after the first: a dict lookup, no lock
+    if built is None:
+        _submit([key] + [(bits, wpg, rows, *key[3:]) for rows in range(1, 17) if rows != m])
+        built = _builds[key]
+    return built.result()
 
 
 @cache
@@ -329,7 +332,7 @@ def _available() -> bool:
     if os.environ.get("SPECSERVE_QUANT_KERNEL") == "triton" or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
-        _kernel(4, 4, 1, 1, 1, 1, False, False, False)
+        prebuild([(4, 4, 1, 1, 1, 1, False, False, False)])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
         return False
     return True
@@ -364,7 +367,7 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     n_rows = x2.shape[0]
     n_out, k = w.shape
     assert 1 <= n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
-    cfg = blocks or pick_cuda_blocks(n_rows, n_out, k, w.group)
+    cfg = blocks or pick_cuda_blocks(k)
     kernel = _kernel(w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], cfg["KSPLIT"], silu_input,
                      bias is not None, out_dtype == torch.float32)
     cg = chunk_groups(n_rows, k, w.group, cfg["KSPLIT"])

@@ -175,7 +175,7 @@ def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, i
 
 def pick_quant_blocks(n_rows: int, n_out: int, k: int, bits: int) -> tuple[str, dict[str, int]]:
     """Which quantized kernel ("row": CUDA cores, one row; "dot": tensor cores) and its fixed blocks
-    (H200 sweep: benchmarks/kernel_bench.py --sections matrices)."""
+    (measured once on an H200: kernel_notes.md v4; the CUDA C kernel is what runs there)."""
     if INTERPRET:  # every program runs in Python: few, small ones
         return ("row", {"BLOCK_N": 4, "BLOCK_K": 64}) if n_rows == 1 else ("dot", {"BLOCK_N": 16, "BLOCK_K": 128})
     if n_rows == 1:
@@ -184,10 +184,8 @@ def pick_quant_blocks(n_rows: int, n_out: int, k: int, bits: int) -> tuple[str, 
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-         out_dtype: torch.dtype, blocks: tuple[str, dict[str, int]] | None = None) -> torch.Tensor:
-    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
-
-    `blocks` overrides the quantized kernel's block choice (the sweep benchmark)."""
+         out_dtype: torch.dtype) -> torch.Tensor:
+    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -199,7 +197,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
     b = bias if bias is not None else x2
     if quant:
-        kind, cfg = blocks or pick_quant_blocks(n_rows, n_out, k, w.bits)
+        kind, cfg = pick_quant_blocks(n_rows, n_out, k, w.bits)
         args = (x2, w.words, w.sm.view(torch.int32), b, out)
         flags = {"BITS": w.bits, "G": w.group, "HAS_BIAS": bias is not None, "SILU_IN": silu_input, **cfg}
         grid = (triton.cdiv(n_out, cfg["BLOCK_N"]),)
