@@ -1,7 +1,6 @@
 """Decode-path speed on CUDA, per kernel and per model, for bf16 and GGUF-quantized weights.
 
     python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill]
-    (--compile-shard I/N fills Triton's cache for the matrices sweep: run N at once before it)
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
@@ -44,7 +43,6 @@ MODEL = "qwen2.5-coder-1.5b"
 CFG = SHAPES[MODEL]
 DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
-COMPILE_ONLY = False
 
 
 def graph_us(fn: Callable[[], object], calls: int, reps: int = 30) -> float:
@@ -303,8 +301,6 @@ def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
 def timed(fn: Callable[[], object], n_calls: int, nbytes: int) -> dict[str, float | str]:
     try:
         fn()
-        if COMPILE_ONLY:
-            return {"us": "compiled"}
         us = graph_us(fn, n_calls)
         return {"us": round(us, 2), "TBps": round(nbytes / us / 1e6, 2)}
     except Exception as exc:  # one variant failing must not hide the others
@@ -322,8 +318,7 @@ class Rotation:
         return self.items[self.i]
 
 
-def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation,
-                 shard: tuple[int, int]) -> dict[str, object]:
+def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation) -> dict[str, object]:
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
     calls = 2 * len(qs.items)
     qw = qs.items[0]
@@ -337,17 +332,14 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
 
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
                             "MB": round(qbytes / 1e6, 2)}
-    if not COMPILE_ONLY:
-        r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
-        r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16),
-                                 2 * len(fl.items), n * k * 2)
-        r["triton"] = timed(tri, calls, qbytes)
-        r["cuda"] = timed(cuda, calls, qbytes)
-        r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
+    r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
+    r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16),
+                             2 * len(fl.items), n * k * 2)
+    r["triton"] = timed(tri, calls, qbytes)
+    r["cuda"] = timed(cuda, calls, qbytes)
+    r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
     best: tuple[str, float] | None = None
-    for idx, (rn, u, ks) in enumerate(SWEEP[m]):
-        if idx % shard[1] != shard[0]:
-            continue
+    for rn, u, ks in SWEEP[m]:
         label = f"rn{rn}u{u}k{ks}"
         us = timed(lambda b={"RN": rn, "U": u, "KSPLIT": ks}: cuda(b), calls, qbytes).get("us")
         r[label] = us
@@ -358,7 +350,7 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     return r
 
 
-def section_matrices(shard: tuple[int, int] = (0, 1)) -> None:
+def section_matrices() -> None:
     """Each projection alone: bf16 (cuBLAS, Triton) vs the quantized kernels over a sweep of blocks."""
     rows_out = []
     t0 = time.perf_counter()
@@ -367,12 +359,11 @@ def section_matrices(shard: tuple[int, int] = (0, 1)) -> None:
     for name, (n, k, silu, bits, group) in MATRICES.items():
         qs = Rotation(quant_copies(n, k, bits, group))
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
-                       for _ in range(1 if COMPILE_ONLY else max(1, -(-300_000_000 // (n * k * 2))))])
+                       for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
-            r = bench_matrix(name, n, k, silu, m, qs, fl, shard)
+            r = bench_matrix(name, n, k, silu, m, qs, fl)
             rows_out.append(r)
-            if not COMPILE_ONLY:
-                print(json.dumps(r), flush=True)
+            print(json.dumps(r), flush=True)
         del qs, fl
         torch.cuda.empty_cache()
     RESULTS["matrices"] = rows_out
@@ -382,15 +373,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--sections", default="model,logits,profile,matrices")
-    ap.add_argument("--compile-shard", default=None,
-                    help="I/N: only compile shard I of N of the matrices sweep (fills Triton's cache; run N at once)")
     args = ap.parse_args()
-    if args.compile_shard:
-        global COMPILE_ONLY
-        COMPILE_ONLY = True
-        i, n = map(int, args.compile_shard.split("/"))
-        section_matrices((i, n))
-        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     RESULTS["gpu"] = torch.cuda.get_device_name(DEV)
