@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from specserve.speculative.base import SpecParams
-from specserve.speculative.ngram_map import MAX_COUNT, NgramMap
+from specserve.speculative.ngram_map import MAX_COUNT, NgramKey, NgramMap
 
+
+def first_key(spec: NgramMap) -> NgramKey:
+    """The statistics of the first key the map stored."""
+    return next(iter(spec.keys.values()))
 
 def make(kind: str, n: int, m: int, min_hits: int = 1, check_rate: int = 1) -> NgramMap:
     params = SpecParams(type=kind, ngram_size_n=n, ngram_size_m=m, ngram_min_hits=min_hits,
@@ -36,12 +40,12 @@ def test_k_match_needs_m_tokens_after_it_in_history() -> None:
     assert spec.draft([9, 1, 2, 3, 4, 1, 2, 5, 1], 2, n_max=16) == [3, 4]
 
 
-def test_k_keys_are_positions_with_hit_counts() -> None:
+def test_k_keys_have_hit_counts() -> None:
     spec = make("ngram-map-k", 2, 2)
     spec.draft([9, 1, 2, 3, 4, 1], 2, n_max=16)
     spec.draft([9, 1, 2, 3, 4, 1, 2, 5, 1], 2, n_max=16)
     assert len(spec.keys) == 1
-    assert (spec.keys[0].key_idx, spec.keys[0].hits) == (1, 2)
+    assert spec.keys[(1, 2)].hits == 2
 
 
 def test_k_applies_min_hits() -> None:
@@ -57,7 +61,7 @@ def test_k_remembers_accepted_count() -> None:
     spec = make("ngram-map-k", 2, 3)
     assert spec.draft([9, 1, 2, 3, 4, 5, 1], 2, n_max=16) == [3, 4, 5]
     spec.accept(1)
-    assert spec.keys[0].values[0].n_accepted == 1
+    assert first_key(spec).values[0].n_accepted == 1
     assert spec.draft([9, 1, 2, 3, 4, 5, 1, 2, 3, 8, 1], 2, n_max=16) == [3]  # min(m, 1)
     spec.accept(0)
     assert spec.draft([9, 1, 2, 3, 4, 5, 1, 2, 3, 8, 1, 2, 7, 6, 1], 2, n_max=16) == []  # min(m, 0)
@@ -68,7 +72,7 @@ def test_k_accept_without_pending_draft_is_ignored() -> None:
     history = [9, 1, 2, 3, 4, 5, 1]
     assert spec.draft(history, 2, n_max=16, n_min=4) == []  # [3, 4, 5] dropped by n_min
     spec.accept(0)  # must not reach the value's accepted count
-    assert spec.keys[0].values[0].n_accepted == 3
+    assert first_key(spec).values[0].n_accepted == 3
     assert spec.stats.acc_drafts == 0
 
 
@@ -85,7 +89,7 @@ def test_begin_clears_positions() -> None:
     spec.draft([9, 1, 2, 3, 4, 1], 2, n_max=16)
     assert len(spec.keys) == 1
     spec.begin([4, 4, 4])
-    assert spec.keys == []
+    assert spec.keys == {}
 
 
 # ---- ngram-map-k4v ----------------------------------------------------------------------------
@@ -96,7 +100,7 @@ def test_k4v_three_times_dominance_passes() -> None:
     # the latest match (position 7) is followed by 6 (the seed's code would copy 6)
     spec = make("ngram-map-k4v", 1, 1)
     assert spec.draft([0, 1, 5, 1, 5, 1, 5, 1, 6, 9], 1, n_max=16) == [5]
-    assert [(v.value_idx, v.count) for v in spec.keys[0].values] == [(2, 3), (8, 1), (0, 0), (0, 0)]
+    assert [(v.value_idx, v.count) for v in first_key(spec).values] == [(2, 3), (8, 1), (0, 0), (0, 0)]
 
 
 def test_k4v_below_three_times_gives_no_draft() -> None:
@@ -127,17 +131,17 @@ def test_k4v_counts_each_occurrence_once() -> None:
     history = [0, 1, 5, 1, 5, 1, 5, 1, 6, 9]
     spec.draft(history, 1, n_max=16)
     spec.draft(history + [1, 5, 2], 1, n_max=16)  # one new occurrence (position 10, value 5)
-    by_token = {history[v.value_idx]: v.count for v in spec.keys[0].values if v.count}
+    by_token = {history[v.value_idx]: v.count for v in first_key(spec).values if v.count}
     assert by_token == {5: 4, 6: 1}
     spec.draft(history + [1, 5, 2, 4], 8, n_max=16)  # another key: [1]'s counts stay
-    assert {history[v.value_idx]: v.count for v in spec.keys[0].values if v.count} == {5: 4, 6: 1}
+    assert {history[v.value_idx]: v.count for v in first_key(spec).values if v.count} == {5: 4, 6: 1}
 
 
 def test_k4v_only_four_values_per_key() -> None:
     history = [0, 1, 2, 1, 3, 1, 4, 1, 5] + [1, 6] * 6 + [1, 9, 9]
     spec = make("ngram-map-k4v", 1, 1)
     assert spec.draft(history, 1, n_max=16) == []  # 6 never gets a slot: 1 vs 3 others
-    values = spec.keys[0].values
+    values = first_key(spec).values
     assert len(values) == 4
     assert [history[v.value_idx] for v in values] == [2, 3, 4, 5]
     assert [v.count for v in values] == [1, 1, 1, 1]
@@ -156,7 +160,7 @@ def test_k4v_remembers_accepted_count_per_value() -> None:
     spec = make("ngram-map-k4v", 1, 2)
     assert spec.draft(history, 1, n_max=16) == [5, 6]
     spec.accept(1)
-    dominant = max(spec.keys[0].values, key=lambda v: v.count)
+    dominant = max(first_key(spec).values, key=lambda v: v.count)
     assert dominant.n_accepted == 1
     assert spec.draft(history + [1, 5, 4], 1, n_max=16) == [5]  # min(m, 1)
     spec.accept(1)
@@ -168,7 +172,7 @@ def test_counts_saturate() -> None:
     history = [0] + [1, 5] * 17000
     spec = make("ngram-map-k4v", 1, 1)
     assert spec.draft(history, 1, n_max=16) == [5]
-    entry = spec.keys[0]
+    entry = first_key(spec)
     assert entry.values[0].count == MAX_COUNT == 16380
     entry.hits = MAX_COUNT - 1
     assert spec.draft(history + [1, 5], 1, n_max=16) == [5]

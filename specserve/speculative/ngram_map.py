@@ -33,9 +33,8 @@ class NgramValue:
 
 @dataclass
 class NgramKey:
-    """Statistics of one key n-gram, stored as its position in the history (no token copies)."""
+    """Statistics of one key n-gram."""
 
-    key_idx: int  # start of one occurrence of the key in the history
     stat_idx: int = 0  # next history position to scan for occurrences (k4v statistics)
     hits: int = 0  # how often a lookup found this key
     values: list[NgramValue] = field(default_factory=list)
@@ -64,9 +63,7 @@ class NgramMap(Speculator):
         self._reset()
 
     def _reset(self) -> None:
-        self.keys: list[NgramKey] = []
-        # hash(key tokens) -> indices into self.keys; the tokens themselves stay in the history.
-        self._by_hash: dict[int, list[int]] = {}
+        self.keys: dict[tuple[int, ...], NgramKey] = {}
         self._idx_last_check = 0
         self._last_value: NgramValue | None = None  # value slot of the last draft, for accept()
         self._index.reset()
@@ -74,14 +71,6 @@ class NgramMap(Speculator):
     def begin(self, prompt: list[int]) -> None:
         # Keys and values are positions into one history; a new generation's history is another.
         self._reset()
-
-    def _find_key(self, history: list[int], key: list[int], key_hash: int) -> NgramKey | None:
-        n = self.size_n
-        for i in self._by_hash.get(key_hash, ()):
-            entry = self.keys[i]
-            if history[entry.key_idx:entry.key_idx + n] == key:
-                return entry
-        return None
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         self._last_value = None
@@ -102,12 +91,9 @@ class NgramMap(Speculator):
         if match_pos is None:
             return []
 
-        key_hash = hash(tuple(key))
-        entry = self._find_key(history, key, key_hash)
+        entry = self.keys.get(tuple(key))
         if entry is None:
-            entry = NgramKey(key_idx=match_pos, values=[NgramValue(n_accepted=m) for _ in range(MAX_VALUES)])
-            self._by_hash.setdefault(key_hash, []).append(len(self.keys))
-            self.keys.append(entry)
+            entry = self.keys[tuple(key)] = NgramKey(values=[NgramValue(n_accepted=m) for _ in range(MAX_VALUES)])
         entry.hits = min(entry.hits + 1, MAX_COUNT)
         if entry.hits < self.min_hits:
             return []
