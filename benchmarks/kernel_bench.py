@@ -130,8 +130,10 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt, triton_gemv in (("float", "0"), ("float", "1"), ("gguf_like", "1")):
+    for fmt, triton_gemv, quant_kernel in (("float", "1", "mma"), ("gguf_like", "1", "core"),
+                                           ("gguf_like", "1", "mma")):
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
+        os.environ["SPECSERVE_QUANT_KERNEL"] = quant_kernel
         runner = make_runner(fmt)
         t0 = time.perf_counter()
         runner.warmup(17)
@@ -144,7 +146,8 @@ def section_model() -> None:
         runner.forward(b)
         gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 16)}
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
-        r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "weight_GB": runner.weights.n_bytes() / 1e9,
+        r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel,
+             "weight_GB": runner.weights.n_bytes() / 1e9,
              "warmup_s": round(warm_s, 1),
              "pp512": round(pp), "tg128": round(tg, 1), "gpu_us": {k: round(v, 1) for k, v in gpu.items()},
              "verify8_over_decode_gpu": round(gpu[8] / gpu[1], 3), "wall_ms_1": round(wall1, 3),
@@ -274,15 +277,19 @@ MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False
             "down_q4k": (1536, 8960, True, 4, 32), "down_q6k": (1536, 8960, True, 8, 16),
             "output": (151936, 1536, False, 8, 16)}
 # CUDA kernel: (output rows per warp, groups in flight per lane, warps splitting K) per row count.
-SWEEP = {1: [(rn, u, ks) for rn in (1, 2, 4) for u in (1, 2) for ks in (1, 2, 4, 8)],
-         8: [(rn, 1, ks) for rn in (1, 2) for ks in (1, 4, 8)]}
+SWEEP = {1: [(2, 1, 1), (2, 1, 2)], 8: [(2, 1, 1)]}
+# Tensor-core kernel: (16-row tiles per block, warps splitting K, groups in flight per warp).
+MMA_SWEEP = [(1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 16, 2), (2, 4, 2), (2, 8, 1), (4, 2, 2), (4, 4, 1), (8, 1, 2),
+             (8, 2, 1), (4, 2, 3), (1, 4, 2)]
 
 
 def precompile() -> None:
     """Builds every swept CUDA variant at once."""
-    linear_cuda.prebuild(sorted({(bits, group * bits // 32, m, rn, u, ks, silu, False, False)
-                                 for _, k, silu, bits, group in MATRICES.values()
-                                 for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}))
+    keys = {("gemv_q", bits, group * bits // 32, m, rn, u, ks, silu, False, False)
+            for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
+    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False)
+             for _, k, silu, bits, group in MATRICES.values() for m in (1, 8) for tl, ks, d in MMA_SWEEP}
+    linear_cuda.prebuild(sorted(keys))
 
 
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
@@ -327,8 +334,8 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     def tri() -> torch.Tensor:
         return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16)
 
-    def cuda(blocks: dict[str, int] | None = None) -> torch.Tensor:
-        return linear_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks)
+    def cuda(blocks: dict[str, int] | None = None, kernel: str = "gemv_q") -> torch.Tensor:
+        return linear_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, kernel=kernel)
 
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
                             "MB": round(qbytes / 1e6, 2)}
@@ -338,15 +345,18 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     r["triton"] = timed(tri, calls, qbytes)
     r["cuda"] = timed(cuda, calls, qbytes)
     r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
-    best: tuple[str, float] | None = None
-    for rn, u, ks in SWEEP[m]:
-        label = f"rn{rn}u{u}k{ks}"
-        us = timed(lambda b={"RN": rn, "U": u, "KSPLIT": ks}: cuda(b), calls, qbytes).get("us")
+    r["mma"] = timed(lambda: cuda(kernel="gemv_mma"), calls, qbytes)
+    r["mma_blocks"] = linear_cuda.pick_mma_blocks(n, k)
+    variants = [(f"rn{rn}u{u}k{ks}", "gemv_q", {"RN": rn, "U": u, "KSPLIT": ks}) for rn, u, ks in SWEEP[m]]
+    variants += [(f"mma_t{tl}k{ks}d{d}", "gemv_mma", {"TILES": tl, "KSPLIT": ks, "D": d}) for tl, ks, d in MMA_SWEEP]
+    best: dict[str, tuple[str, float]] = {}
+    for label, kernel, blocks in variants:
+        us = timed(lambda b=blocks, kn=kernel: cuda(b, kn), calls, qbytes).get("us")
         r[label] = us
-        if isinstance(us, float) and (best is None or us < best[1]):
-            best = (label, us)
-    if best:
-        r["best"] = {"blocks": best[0], "us": best[1], "TBps": round(qbytes / best[1] / 1e6, 2)}
+        if isinstance(us, float) and (kernel not in best or us < best[kernel][1]):
+            best[kernel] = (label, us)
+    for kernel, (label, us) in best.items():
+        r[f"best_{kernel}"] = {"blocks": label, "us": us, "TBps": round(qbytes / us / 1e6, 2)}
     return r
 
 

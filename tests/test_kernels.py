@@ -165,24 +165,27 @@ def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: b
         assert qw.bits == {"q8": 8, "k32min": 4, "k16": 8}[fmt]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernel (NVRTC): GPU only")
-@pytest.mark.parametrize("fmt,blocks", [
-    ("k32min", None), ("k16", None), ("q8", None), ("k4g16", None),
-    ("k32min", {"RN": 3, "U": 2, "KSPLIT": 4}), ("k16", {"RN": 2, "U": 1, "KSPLIT": 8}),
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("kernel,fmt,blocks", [
+    ("gemv_q", "k32min", None), ("gemv_q", "k16", None), ("gemv_q", "q8", None), ("gemv_q", "k4g16", None),
+    ("gemv_q", "k32min", {"RN": 3, "U": 2, "KSPLIT": 4}), ("gemv_q", "k16", {"RN": 2, "U": 1, "KSPLIT": 8}),
+    ("gemv_mma", "k32min", None), ("gemv_mma", "k16", None), ("gemv_mma", "q8", None),
+    ("gemv_mma", "k32min", {"TILES": 2, "KSPLIT": 4, "D": 3}), ("gemv_mma", "k16", {"TILES": 3, "KSPLIT": 1, "D": 1}),
+    ("gemv_mma", "q8", {"TILES": 1, "KSPLIT": 16, "D": 2}),
 ])
 @pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
-    (40, 96, False, False, False), (130, 1536, True, False, False), (72, 8960, False, True, False),
+    (40, 128, False, False, False), (130, 1536, True, False, False), (72, 8960, False, True, False),
     (1000, 4096, True, True, True),
 ])
-def test_gemv_cuda(fmt: str, blocks: dict | None, n_out: int, k: int, bias: bool, silu_input: bool,
+def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: int, bias: bool, silu_input: bool,
                    out_fp32: bool) -> None:
-    """The CUDA C kernel vs the torch reference for 1..16 rows, and each row of a multi-row call
+    """The CUDA C kernels vs the torch reference for 1..16 rows, and each row of a multi-row call
     bit for bit equal to a one-row call (verify steps compute what decode steps compute)."""
     from specserve.kernels import linear_cuda
     from specserve.kernels.linear import QuantWeight, linear_ref, quantize_q8
 
     w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
-    if fmt == "k4g16":  # 4-bit integers in groups of 16 (two words per group)
+    if fmt == "k4g16":  # 4-bit integers in groups of 16 (two words per group: CUDA cores only)
         q = torch.randint(0, 16, (n_out, k), dtype=torch.int8, device=DEVICE)
         qw = QuantWeight.from_ints(q, torch.rand(n_out, k // 16, device=DEVICE) * 0.02, None, 16)
     else:
@@ -191,10 +194,14 @@ def test_gemv_cuda(fmt: str, blocks: dict | None, n_out: int, k: int, bias: bool
     b = torch.randn(n_out, device=DEVICE).to(DTYPE) if bias else None
     out_dtype = torch.float32 if out_fp32 else DTYPE
     x = torch.randn(16, 2 * k if silu_input else k, device=DEVICE).to(DTYPE) * 2
-    assert linear_cuda.usable(x, qw, b, out_dtype)
-    singles = [linear_cuda.gemv(x[i:i + 1], qw, b, silu_input, out_dtype, blocks) for i in range(16)]
-    for rows in (1, 3, 8, 16):
-        got = linear_cuda.gemv(x[:rows], qw, b, silu_input, out_dtype, blocks)
+    assert linear_cuda.usable(x, qw, b, out_dtype) == ("gemv_q" if fmt == "k4g16" else "gemv_mma")
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return linear_cuda.gemv(rows, qw, b, silu_input, out_dtype, blocks, kernel=kernel)
+
+    singles = [run(x[i:i + 1]) for i in range(16)]
+    for rows in (1, 3, 8, 9, 16):
+        got = run(x[:rows])
         ref = linear_ref(x[:rows].float(), qw, b.float() if bias else None, silu_input)
         assert got.dtype == out_dtype and got.shape == (rows, n_out)
         assert rel_err(got, ref) < TOL

@@ -17,10 +17,21 @@ def test_one_request_builds_every_row_count_once(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(linear_cuda, "_build", fake_build)
     monkeypatch.setattr(linear_cuda, "_builds", {})
     monkeypatch.setattr(linear_cuda.torch.cuda, "current_device", lambda: 0)
-    key = (4, 4, 3, 2, 1, 1, True, False, False)
-    assert linear_cuda._kernel(*key) == ("kernel", key)
-    assert linear_cuda._kernel(4, 4, 8, 2, 1, 1, True, False, False)[1][2] == 8
-    linear_cuda.prebuild([(8, 4, 1, 2, 1, 1, False, False, True)])
-    rows = sorted(key[2] for key in built if key[0] == 4)
+    key = ("gemv_mma", 4, 32, 3, 2, 1, 4, True, False, False)
+    assert linear_cuda._kernel(key) == ("kernel", key)
+    assert linear_cuda._kernel(("gemv_mma", 4, 32, 8, 2, 1, 4, True, False, False))[1][3] == 8
+    other = ("gemv_q", 8, 4, 1, 2, 1, 1, False, False, True)
+    linear_cuda.prebuild([other])
+    rows = sorted(key[3] for key in built if key[0] == "gemv_mma")
     assert rows == list(range(1, 17))  # all 16 row counts of the first variant, each built once
-    assert (8, 4, 1, 2, 1, 1, False, False, True) in built and len(built) == 17
+    assert other in built and len(built) == 17
+
+
+def test_every_kernel_source_takes_its_parameters() -> None:
+    """Each template parameter a kernel's key names appears in its source, and none is left over."""
+    for source, names in linear_cuda.KERNELS.values():
+        assert all(f"__{name}__" in source for name in names)
+        rest = source.replace("__WARPS__", "")
+        for name in names:
+            rest = rest.replace(f"__{name}__", "")
+        assert "__BITS__" not in rest and "#define M __" not in rest

@@ -156,8 +156,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     if quant and rows <= MAX_GEMV_ROWS and triton_enabled(x):
         from specserve.kernels import linear_cuda
 
-        if linear_cuda.usable(x, w, bias, out_dtype or x.dtype):
-            return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
+        kernel = linear_cuda.usable(x, w, bias, out_dtype or x.dtype)
+        if kernel:
+            return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 

@@ -26,6 +26,7 @@ for other dtypes, `usable` says no and the Triton kernels run instead.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -274,7 +275,283 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
 }
 """
 
+MMA_SOURCE = r"""
+#define BITS __BITS__
+#define G __G__
+#define M __M__
+#define TILES __TILES__
+#define KSPLIT __KSPLIT__
+#define D __D__
+#define SILU __SILU__
+#define BIAS __BIAS__
+#define OUT_F32 __OUT_F32__
+#define WARPS (TILES * KSPLIT)
+#define PER (32 / BITS)          // bit fields per word
+#define WPG (G * BITS / 32)      // words per group and row: 4 or 8
+#define WPL (WPG / 4)            // of them read by one lane: 1 or 2
+#define VPL (G / 4)              // activations per lane and group: 8 or 4
+#define NMMA (G / 16)            // k16 products per group
+#define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
+#define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
+
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
+__device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
+__device__ __forceinline__ float half_to_float(unsigned h) {
+    float f;
+    unsigned short s = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+}
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+    float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
+    return round_bf(act * up);
+}
+// bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
+__device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
+    unsigned r;
+#if BITS == 4
+    // under bf16's exponent of 128 a 4-bit field u reads 128 + u; one fma takes the 128 off again
+    unsigned t;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(t) : "r"(w >> (4 * s)), "r"(0x000F000Fu), "r"(0x43004300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(0x3F803F80u), "r"(0xC300C300u));
+#else
+    // a byte under fp32's exponent of 2^23 reads 2^23 + u; bf16 holds every integer up to 256
+    const float a = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + s)) - 8388608.0f;
+    const float b = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7442 + s)) - 8388608.0f;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+#endif
+    return r;
+}
+// The 4 lanes of a quad hold 4 consecutive 16-byte units of a row (lane j: unit j); afterwards lane t
+// holds word t of every unit (v[j]: word t of unit j), the words its MMA fragments take.
+__device__ __forceinline__ void quad_transpose(unsigned (&v)[4], int t) {
+    unsigned a = (t & 2) ? v[0] : v[2], b = (t & 2) ? v[1] : v[3];
+    a = __shfl_xor_sync(0xffffffffu, a, 2);
+    b = __shfl_xor_sync(0xffffffffu, b, 2);
+    if (t & 2) { v[0] = a; v[1] = b; } else { v[2] = a; v[3] = b; }
+    a = (t & 1) ? v[0] : v[1];
+    b = (t & 1) ? v[2] : v[3];
+    a = __shfl_xor_sync(0xffffffffu, a, 1);
+    b = __shfl_xor_sync(0xffffffffu, b, 1);
+    if (t & 1) { v[0] = a; v[2] = b; } else { v[1] = a; v[3] = b; }
+}
+__device__ __forceinline__ void load_sm(const unsigned* p, unsigned (&v)[SG]) {
+#if SG == 4
+    const uint4 q = __ldg((const uint4*)p);
+    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+#else
+    const uint2 q = __ldg((const uint2*)p);
+    v[0] = q.x; v[1] = q.y;
+#endif
+}
+__device__ __forceinline__ void mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                    unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// where the k-th activation of a group is staged: lane t = (k % WPG) % 4 reads VPL of them, in the
+// order its field pairs feed the MMA's k slots (field i of word j holds k = i * WPG + j)
+__device__ __forceinline__ int staged_pos(int k) {
+    const int j = k % WPG, i = k / WPG;
+    const int t = j % 4, omega = j / 4, s = i % (PER / 2), e = i / (PER / 2);
+    return t * VPL + 2 * (omega * (PER / 2) + s) + e;
+}
+
+// One warp computes 16 output rows (a tile) over every KSPLIT-th step of SG groups of K as bf16
+// tensor-core products of exact integers (m16n8k16, weights as A, activation rows as B); after each
+// group the fp32 partial of every (row, activation row) is scaled: acc += scale * partial - min * sum(x).
+// Per step a lane loads 16 bytes of each of its two rows (the quad's 4 lanes: 64 contiguous bytes)
+// and the quad exchanges words so each lane holds its fragments' words.
+// Block: TILES tiles x KSPLIT warps. Activations are staged in shared memory as bf16, CG groups
+// at a time, permuted so each lane reads its B fragment in one load; their per-group sums beside.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
+    const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
+    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]
+    float* xsum = (float*)(smem + M * row_bytes);      // [CG][16]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kw = warp % KSPLIT;
+    const int tile = blockIdx.x * TILES + warp / KSPLIT;
+    const bool active = tile * 16 < N;
+    const int n_groups = K / G, n_steps = n_groups / SG;
+    const int ra = min(tile * 16 + g, N - 1), rb = min(tile * 16 + g + 8, N - 1);  // rows past N: not stored
+    const uint4* wa = (const uint4*)(w + (u64)ra * n_groups * WPG) + t;
+    const uint4* wb = (const uint4*)(w + (u64)rb * n_groups * WPG) + t;
+    const unsigned* sa = sm + (u64)ra * n_groups;
+    const unsigned* sb = sm + (u64)rb * n_groups;
+
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+    uint4 wva[D], wvb[D];
+    unsigned sva[D][SG], svb[D][SG];
+#define LOAD(d, st)                                   \
+    if (active && (st) < n_steps) {                   \
+        wva[d] = __ldg(wa + (u64)(st) * 4);           \
+        wvb[d] = __ldg(wb + (u64)(st) * 4);           \
+        load_sm(sa + (st) * SG, sva[d]);              \
+        load_sm(sb + (st) * SG, svb[d]);              \
+    }
+    // the warp's q-th step is q * KSPLIT + kw; slot d holds the steps q = d (mod D); CG is a
+    // multiple of D * KSPLIT * SG groups, so a chunk starts on slot 0
+#pragma unroll
+    for (int d = 0; d < D; ++d) LOAD(d, d * KSPLIT + kw)
+
+    for (int c0 = 0; c0 < n_groups; c0 += CG) {
+        const int cg = min(CG, n_groups - c0);
+        __syncthreads();  // the previous chunk is no longer read
+        // stage: one thread per 8 consecutive activations; the G / 8 threads of a group sum it in a fixed order
+        const int units = M * cg * (G / 8);
+        for (int base = 0; base < units; base += 32 * WARPS) {
+            const int u = base + threadIdx.x;
+            const bool ok = u < units;
+            const int m = ok ? u / (cg * (G / 8)) : 0, kk = ok ? (u % (cg * (G / 8))) * 8 : 0;
+            float v[8];
+            float part = 0.0f;
+            if (ok) {
+                const bf16_t* src = x + (u64)m * stride_x + c0 * G + kk;
+                const uint4 a = *(const uint4*)src;
+                const unsigned pa[4] = {a.x, a.y, a.z, a.w};
+#if SILU
+                const uint4 b4 = *(const uint4*)(src + K);
+                const unsigned pb[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+                    v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+                }
+#else
+#pragma unroll
+                for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+#endif
+                bf16_t* dst = xs + m * (row_bytes / 2) + (kk / G) * G;
+#pragma unroll
+                for (int h = 0; h < 8; ++h) {
+                    dst[staged_pos(kk % G + h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
+                    part += v[h];
+                }
+            }
+#pragma unroll
+            for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+            if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+        }
+        __syncthreads();
+        if (!active) continue;
+        const int s0 = c0 / SG, s_end = (c0 + cg) / SG;
+        for (int q = s0 / KSPLIT; q * KSPLIT + kw < s_end; q += D) {
+#pragma unroll
+            for (int d = 0; d < D; ++d) {
+                const int st = (q + d) * KSPLIT + kw;
+                if (st < s_end) {
+                    unsigned va[4] = {wva[d].x, wva[d].y, wva[d].z, wva[d].w};
+                    unsigned vb[4] = {wvb[d].x, wvb[d].y, wvb[d].z, wvb[d].w};
+                    quad_transpose(va, t);
+                    quad_transpose(vb, t);
+#pragma unroll
+                    for (int i = 0; i < SG; ++i) {
+                        const int lg = st * SG + i - c0;
+                        unsigned fa[VPL / 2], fb[VPL / 2];
+#pragma unroll
+                        for (int o = 0; o < WPL; ++o)
+#pragma unroll
+                            for (int s = 0; s < PER / 2; ++s) {
+                                fa[o * (PER / 2) + s] = field_pair(va[i * WPL + o], s);
+                                fb[o * (PER / 2) + s] = field_pair(vb[i * WPL + o], s);
+                            }
+                        const float s_a = half_to_float(sva[d][i] & 0xffffu), m_a = half_to_float(sva[d][i] >> 16);
+                        const float s_b = half_to_float(svb[d][i] & 0xffffu), m_b = half_to_float(svb[d][i] >> 16);
+#pragma unroll
+                        for (int nb = 0; nb < NB; ++nb) {
+                            const int tok = nb * 8 + g;
+                            unsigned bx[VPL / 2];
+#if G == 32
+                            uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+                            if (tok < M) bv = *(const uint4*)(xs + tok * (row_bytes / 2) + lg * G + t * VPL);
+                            bx[0] = bv.x; bx[1] = bv.y; bx[2] = bv.z; bx[3] = bv.w;
+#else
+                            uint2 bv = make_uint2(0u, 0u);
+                            if (tok < M) bv = *(const uint2*)(xs + tok * (row_bytes / 2) + lg * G + t * VPL);
+                            bx[0] = bv.x; bx[1] = bv.y;
+#endif
+                            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                            for (int j = 0; j < NMMA; ++j)
+                                mma(part, fa[2 * j], fb[2 * j], fa[2 * j + 1], fb[2 * j + 1], bx[2 * j], bx[2 * j + 1]);
+                            const float2 xsm = *(const float2*)(xsum + lg * 16 + nb * 8 + 2 * t);
+                            acc[nb][0] = fmaf(-m_a, xsm.x, fmaf(s_a, part[0], acc[nb][0]));
+                            acc[nb][1] = fmaf(-m_a, xsm.y, fmaf(s_a, part[1], acc[nb][1]));
+                            acc[nb][2] = fmaf(-m_b, xsm.x, fmaf(s_b, part[2], acc[nb][2]));
+                            acc[nb][3] = fmaf(-m_b, xsm.y, fmaf(s_b, part[3], acc[nb][3]));
+                        }
+                    }
+                    LOAD(d, st + D * KSPLIT)
+                }
+            }
+        }
+    }
+#if KSPLIT > 1
+    __syncthreads();  // the staged activations are no longer read: their space takes the partial sums
+    float* red = (float*)smem;  // [WARPS][32][NB * 4]
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * NB * 4 + nb * 4 + e] = acc[nb][e];
+    __syncthreads();
+    if (kw != 0) return;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float total = 0.0f;
+            for (int p = 0; p < KSPLIT; ++p) total += red[((warp + p) * 32 + lane) * NB * 4 + nb * 4 + e];
+            acc[nb][e] = total;
+        }
+#endif
+    if (!active) return;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = tile * 16 + g + (e >> 1) * 8, tok = nb * 8 + 2 * t + (e & 1);
+            if (n < N && tok < M) {
+                float y = acc[nb][e];
+#if BIAS
+                y += lo_bf(bias[n]);
+#endif
+#if OUT_F32
+                ((float*)out)[(u64)tok * N + n] = round_bf(y);
+#else
+                ((bf16_t*)out)[(u64)tok * N + n] = (bf16_t)to_bf(y);
+#endif
+            }
+        }
+}
+"""
+
 SMEM_BYTES = 48 * 1024  # staged activations per block, without opting in to more
+MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200: up to 227 KB per block)
+
+# kernel name -> (source, its compile-time parameters in key order; M, the row count, is the third)
+KERNELS = {
+    "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
+    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32")),
+}
 
 
 def pick_cuda_blocks(k: int) -> dict[str, int]:
@@ -285,6 +562,14 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
     return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
+def pick_mma_blocks(n: int, k: int) -> dict[str, int]:
+    """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D).
+    From the shape only: a row's sums then run in the same order for any number of rows."""
+    if -(-n // 16) >= 512:
+        return {"TILES": 4, "KSPLIT": 2, "D": 2}
+    return {"TILES": 1, "KSPLIT": 8, "D": 2}
+
+
 _builds: dict[tuple, Future] = {}
 _builds_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -292,10 +577,26 @@ _pool: ThreadPoolExecutor | None = None
 
 def _build(device: int, key: tuple) -> Any:
     torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
-    src = SOURCE.replace("__WARPS__", str(WARPS))
-    for name, val in zip(("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32"), key, strict=True):
-        src = src.replace(f"__{name}__", str(int(val)))
-    return torch.cuda._compile_kernel(src, "gemv_q")
+    name, params = key[0], key[1:]
+    source, names = KERNELS[name]
+    src = source.replace("__WARPS__", str(WARPS))
+    for param, val in zip(names, params, strict=True):
+        src = src.replace(f"__{param}__", str(int(val)))
+    kernel = torch.cuda._compile_kernel(src, name)
+    if name == "gemv_mma":
+        _allow_smem(kernel, MMA_SMEM_BYTES)
+    return kernel
+
+
+def _allow_smem(kernel: Any, n_bytes: int) -> None:
+    """Lets a kernel take more than 48 KB of dynamic shared memory (CUDA asks for an explicit opt-in)."""
+    if hasattr(kernel, "set_shared_memory_config"):
+        kernel.set_shared_memory_config(n_bytes)
+        return
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    max_dynamic_shared_size_bytes = 8  # CUfunction_attribute
+    if libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size_bytes, ctypes.c_int(n_bytes)) != 0:
+        raise RuntimeError("cuFuncSetAttribute failed")
 
 
 def _submit(keys: list[tuple]) -> None:
@@ -309,41 +610,74 @@ def _submit(keys: list[tuple]) -> None:
 
 
 def prebuild(keys: list[tuple]) -> None:
-    """Builds the variants (bits, words per group, rows, RN, U, KSPLIT, silu, bias, fp32 out) at once."""
+    """Builds the variants (kernel name, then its parameters as in KERNELS) at once."""
     _submit(keys)
     for key in keys:
         _builds[key].result()
 
 
-def _kernel(bits: int, wpg: int, m: int, rn: int, u: int, ksplit: int, silu: bool, bias: bool, out_f32: bool) -> Any:
+def _kernel(key: tuple) -> Any:
     """The built variant. Asking for one row count starts the builds of all 16 (NVRTC runs outside
     the GIL): graph capture asks for each row count in turn, and one by one the builds took ~40 s
     of a quantized model's warm-up."""
-    key = (bits, wpg, m, rn, u, ksplit, silu, bias, out_f32)
     built = _builds.get(key)  # every call after the first: a dict lookup, no lock
     if built is None:
-        _submit([key] + [(bits, wpg, rows, *key[3:]) for rows in range(1, 17) if rows != m])
+        _submit([key] + [(*key[:3], rows, *key[4:]) for rows in range(1, 17) if rows != key[3]])
         built = _builds[key]
     return built.result()
 
 
+def kernel_choice() -> str:
+    """SPECSERVE_QUANT_KERNEL: "mma" (tensor cores, the default), "core" (CUDA cores) or "triton"."""
+    return os.environ.get("SPECSERVE_QUANT_KERNEL", "mma")
+
+
 @cache
-def _available() -> bool:
-    if os.environ.get("SPECSERVE_QUANT_KERNEL") == "triton" or not hasattr(torch.cuda, "_compile_kernel"):
+def _available(name: str) -> bool:
+    if not hasattr(torch.cuda, "_compile_kernel"):
         return False
+    probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False)}[name]
     try:
-        prebuild([(4, 4, 1, 1, 1, 1, False, False, False)])  # one small variant, not all 16 row counts
+        prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
         return False
     return True
 
 
-def usable(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
-    """bf16 activations on CUDA, an input size in whole 8-value steps, and a working NVRTC."""
-    k = w.shape[1]
+@cache
+def _tensor_cores(device: int) -> bool:
+    """bf16 mma.sync and fma.bf16x2 need sm_80 or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _usable(x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
     return (x.is_cuda and x.dtype == torch.bfloat16 and out_dtype in (torch.bfloat16, torch.float32)
-            and (bias is None or bias.dtype == torch.bfloat16) and w.group * w.bits // 32 in (2, 4, 8)
-            and k % 8 == 0 and _available())
+            and (bias is None or bias.dtype == torch.bfloat16) and x.shape[-1] % 8 == 0)
+
+
+def usable(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype: torch.dtype) -> str | None:
+    """The CUDA kernel that takes this product ("gemv_mma" or "gemv_q"), or None (the Triton ones).
+
+    bf16 activations on CUDA, an input size in whole 8-value steps, a working NVRTC; the tensor-core
+    kernel needs groups of 4 or 8 words (4-bit / 32, 8-bit / 16 or 32), whole 16-word steps per row
+    and an sm_80 or newer GPU."""
+    choice = kernel_choice()
+    if choice == "triton" or not _usable(x, bias, out_dtype):
+        return None
+    wpg = w.group * w.bits // 32
+    n_groups = w.shape[1] // w.group
+    if (choice == "mma" and wpg in (4, 8) and n_groups % (16 // wpg) == 0 and _tensor_cores(x.device.index or 0)
+            and _available("gemv_mma")):
+        return "gemv_mma"
+    return "gemv_q" if wpg in (2, 4, 8) and _available("gemv_q") else None
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    return x2
 
 
 def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
@@ -357,25 +691,56 @@ def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
     return max(step, fit // step * step) if fit >= step else max(8, fit // 8 * 8)
 
 
+def mma_chunk(n_rows: int, k: int, group: int, step: int) -> tuple[int, int]:
+    """Groups staged at a time (a multiple of `step`, the groups the warps of a tile take per round)
+    and bytes per staged activation row: bf16 values plus one group of padding, so the lanes of two
+    rows hit distinct banks, and each chunk's fp32 group sums (16 rows) after them."""
+    def row_bytes(cg: int) -> int:
+        return -(-cg * group * 2 // 128) * 128 + group * 2
+
+    cg = -(-(k // group) // step) * step
+    while cg > step and n_rows * row_bytes(cg) + cg * 64 > MMA_SMEM_BYTES:
+        cg -= step
+    return cg, row_bytes(cg)
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
-         blocks: dict[str, int] | None = None) -> torch.Tensor:
-    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype, 1..16 rows."""
+         blocks: dict[str, int] | None = None, kernel: str | None = None) -> torch.Tensor:
+    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype, 1..16 rows.
+    `kernel`: "gemv_mma" or "gemv_q" (default: what `usable` picks); `blocks`: that kernel's blocks."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    x2 = _flat_rows(x)
     n_rows = x2.shape[0]
     n_out, k = w.shape
     assert 1 <= n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
-    cfg = blocks or pick_cuda_blocks(k)
-    kernel = _kernel(w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], cfg["KSPLIT"], silu_input,
-                     bias is not None, out_dtype == torch.float32)
-    cg = chunk_groups(n_rows, k, w.group, cfg["KSPLIT"])
-    smem = max(n_rows * cg * (w.group + 4) * 4, WARPS * cfg["RN"] * n_rows * 4)
-    assert smem <= SMEM_BYTES, "activations too wide to stage"
+    kernel = kernel or usable(x2, w, bias, out_dtype)
+    assert kernel, "no CUDA kernel takes this product (see usable)"
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
-    rows_per_block = WARPS // cfg["KSPLIT"] * cfg["RN"]
-    kernel(grid=(-(-n_out // rows_per_block), 1, 1), block=(32 * WARPS, 1, 1),
-           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), cg],
+    flags = (silu_input, bias is not None, out_dtype == torch.float32)
+    if kernel == "gemv_mma":
+        cfg = blocks or pick_mma_blocks(n_out, k)
+        warps = cfg["TILES"] * cfg["KSPLIT"]
+        per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
+        cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step)
+        reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
+        smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
+        launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags))
+        n_tiles = -(-n_out // 16)
+        grid = -(-n_tiles // cfg["TILES"])
+        extra = [cg, row_bytes]
+        limit = MMA_SMEM_BYTES
+    else:
+        cfg = blocks or pick_cuda_blocks(k)
+        cg = chunk_groups(n_rows, k, w.group, cfg["KSPLIT"])
+        smem = max(n_rows * cg * (w.group + 4) * 4, WARPS * cfg["RN"] * n_rows * 4)
+        launch = _kernel(("gemv_q", w.bits, w.group * w.bits // 32, n_rows, cfg["RN"], cfg["U"], cfg["KSPLIT"],
+                          *flags))
+        warps = WARPS
+        grid = -(-n_out // (WARPS // cfg["KSPLIT"] * cfg["RN"]))
+        extra = [cg]
+        limit = SMEM_BYTES
+    assert smem <= limit, "activations too wide to stage"
+    launch(grid=(grid, 1, 1), block=(32 * warps, 1, 1),
+           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra],
            shared_mem=smem)
     return out.view(*lead, n_out)
