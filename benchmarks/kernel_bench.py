@@ -83,7 +83,8 @@ def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDA
 
 
 def quantize_groups(w: torch.Tensor, bits: int, group: int) -> QuantWeight:
-    """Min-max quantization per group (as Q4_1 does), for random weights laid out like a GGUF file's."""
+    """Min-max quantization per group to `bits`-bit integers (as Q4_1 does), for random weights laid
+    out like a GGUF file's (Q6_K's 6-bit integers are stored in 8-bit fields)."""
     n, k = w.shape
     blocks = w.float().view(n, k // group, group)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
@@ -96,12 +97,12 @@ def gguf_like(weights: ModelWeights) -> ModelWeights:
     """Matrices quantized as qwen2.5-coder-1.5b's Q4_K_M file holds them: 4 bits in groups of 32,
     8 bits in groups of 16 for the output, and for wqkv / down in every other layer (Q6_K there)."""
     for i, layer in enumerate(weights.layers):
-        wide = (8, 16) if i % 2 else (4, 32)
+        wide = (6, 16) if i % 2 else (4, 32)
         layer.wqkv = quantize_groups(layer.wqkv, *wide)
         layer.w_down = quantize_groups(layer.w_down, *wide)
         layer.wo = quantize_groups(layer.wo, 4, 32)
         layer.w_gate_up = quantize_groups(layer.w_gate_up, 4, 32)
-    weights.output = quantize_groups(weights.output, 8, 16)
+    weights.output = quantize_groups(weights.output, 6, 16)
     return weights
 
 
@@ -287,7 +288,7 @@ def precompile() -> None:
     """Builds every swept CUDA variant at once."""
     keys = {("gemv_q", bits, group * bits // 32, m, rn, u, ks, silu, False, False)
             for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
-    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False)
+    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False, bits == 8)
              for _, k, silu, bits, group in MATRICES.values() for m in (1, 8) for tl, ks, d in MMA_SWEEP}
     linear_cuda.prebuild(sorted(keys))
 

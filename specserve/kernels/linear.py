@@ -46,6 +46,7 @@ class QuantWeight:
     sm: torch.Tensor
     bits: int
     group: int
+    u_max: int = 255  # the largest u stored (Q6_K's 6-bit values: 63; CUDA converts u < 128 more cheaply)
 
     @property
     def shape(self) -> torch.Size:
@@ -58,21 +59,19 @@ class QuantWeight:
     def from_ints(cls, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, group: int) -> QuantWeight:
         """W = q * scale - mins (per group) from integers q [N, K] and fp32 scale, mins [N, K / group].
 
-        Signed q are offset by a power of two (u = q + 2^(bits-1)) and the offset folded into the
-        min, so u * scale - min stays exact for Q8_0-style values (128 * d is exact in fp16)."""
+        Signed q are offset by the smallest power of two that makes them non-negative (Q6_K's
+        [-32, 31]: 32, Q8_0's: 128) and the offset folded into the min, so u * scale - min stays
+        exact (a power of two times d is exact in fp16)."""
         lo, hi = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
-        if lo >= 0:
-            bits, offset = (4 if hi < 16 else 8), 0
-        else:
-            bits = 4 if lo >= -8 and hi < 8 else 8
-            offset = 1 << (bits - 1)
-        if hi + offset >= 1 << bits or lo + offset < 0:
+        offset = 0 if lo >= 0 else 1 << (-lo - 1).bit_length()
+        bits = 4 if hi + offset < 16 else 8
+        if hi + offset >= 1 << bits:
             raise SpecserveError(f"quantized integers in [{lo}, {hi}] do not fit 8 bits")
         mins = torch.zeros_like(scale) if mins is None else mins
         sm = torch.stack([scale, mins + offset * scale], dim=-1).half()
         if not torch.isfinite(sm).all():
             raise SpecserveError("quantization scales out of fp16 range")
-        return cls(pack(q.to(torch.int32) + offset, bits, group), sm, bits, group)
+        return cls(pack(q.to(torch.int32) + offset, bits, group), sm, bits, group, hi + offset)
 
 
 Weight = torch.Tensor | QuantWeight
@@ -131,7 +130,7 @@ def concat_quant(parts: list[QuantWeight]) -> QuantWeight:
     words = [p.words if (p.group, p.bits) == (group, bits) else pack(unpack(p.words, p.bits, p.group), bits, group)
              for p in parts]
     sm = [p.sm.repeat_interleave(p.group // group, dim=1) for p in parts]
-    return QuantWeight(torch.cat(words), torch.cat(sm), bits, group)
+    return QuantWeight(torch.cat(words), torch.cat(sm), bits, group, max(p.u_max for p in parts))
 
 
 def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,

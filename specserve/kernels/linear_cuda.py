@@ -282,6 +282,7 @@ MMA_SOURCE = r"""
 #define TILES __TILES__
 #define KSPLIT __KSPLIT__
 #define D __D__
+#define U7 __U7__                // 8-bit fields all below 128
 #define SILU __SILU__
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
@@ -293,6 +294,7 @@ MMA_SOURCE = r"""
 #define NMMA (G / 16)            // k16 products per group
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
+#define SU 4                     // staging: 8-activation units per thread and pass
 
 typedef unsigned short bf16_t;
 typedef unsigned long long u64;
@@ -318,10 +320,11 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
 __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
     unsigned r;
-#if BITS == 4
-    // under bf16's exponent of 128 a 4-bit field u reads 128 + u; one fma takes the 128 off again
+#if BITS == 4 || U7
+    // under bf16's exponent of 128 a field u < 128 reads 128 + u; one fma takes the 128 off again
     unsigned t;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(t) : "r"(w >> (4 * s)), "r"(0x000F000Fu), "r"(0x43004300u));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;"
+        : "=r"(t) : "r"(w >> (BITS * s)), "r"(BITS == 4 ? 0x000F000Fu : 0x007F007Fu), "r"(0x43004300u));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(0x3F803F80u), "r"(0xC300C300u));
 #else
     // a byte under fp32's exponent of 2^23 reads 2^23 + u; bf16 holds every integer up to 256
@@ -416,40 +419,57 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
         __syncthreads();  // the previous chunk is no longer read
-        // stage: one thread per 8 consecutive activations; the G / 8 threads of a group sum it in a fixed order
+        // stage: one thread per 8 consecutive activations (SU of them per pass, their loads issued
+        // first); the G / 8 threads of a group sum it in a fixed order
         const int units = M * cg * (G / 8);
-        for (int base = 0; base < units; base += 32 * WARPS) {
-            const int u = base + threadIdx.x;
-            const bool ok = u < units;
-            const int m = ok ? u / (cg * (G / 8)) : 0, kk = ok ? (u % (cg * (G / 8))) * 8 : 0;
-            float v[8];
-            float part = 0.0f;
-            if (ok) {
-                const bf16_t* src = x + (u64)m * stride_x + c0 * G + kk;
-                const uint4 a = *(const uint4*)src;
-                const unsigned pa[4] = {a.x, a.y, a.z, a.w};
+        for (int base = 0; base < units; base += 32 * WARPS * SU) {
+            uint4 ga[SU];
 #if SILU
-                const uint4 b4 = *(const uint4*)(src + K);
-                const unsigned pb[4] = {b4.x, b4.y, b4.z, b4.w};
-#pragma unroll
-                for (int h = 0; h < 4; ++h) {
-                    v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
-                    v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
-                }
-#else
-#pragma unroll
-                for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+            uint4 gb[SU];
 #endif
-                bf16_t* dst = xs + m * (row_bytes / 2) + (kk / G) * G;
 #pragma unroll
-                for (int h = 0; h < 8; ++h) {
-                    dst[staged_pos(kk % G + h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
-                    part += v[h];
+            for (int j = 0; j < SU; ++j) {
+                const int u = base + j * 32 * WARPS + threadIdx.x;
+                if (u < units) {
+                    const int m = u / (cg * (G / 8)), kk = (u % (cg * (G / 8))) * 8;
+                    const bf16_t* src = x + (u64)m * stride_x + c0 * G + kk;
+                    ga[j] = *(const uint4*)src;
+#if SILU
+                    gb[j] = *(const uint4*)(src + K);
+#endif
                 }
             }
 #pragma unroll
-            for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+            for (int j = 0; j < SU; ++j) {
+                const int u = base + j * 32 * WARPS + threadIdx.x;
+                const bool ok = u < units;
+                const int m = ok ? u / (cg * (G / 8)) : 0, kk = ok ? (u % (cg * (G / 8))) * 8 : 0;
+                float part = 0.0f;
+                if (ok) {
+                    const unsigned pa[4] = {ga[j].x, ga[j].y, ga[j].z, ga[j].w};
+                    float v[8];
+#if SILU
+                    const unsigned pb[4] = {gb[j].x, gb[j].y, gb[j].z, gb[j].w};
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) {
+                        v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+                        v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+                    }
+#else
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+#endif
+                    bf16_t* dst = xs + m * (row_bytes / 2) + (kk / G) * G;
+#pragma unroll
+                    for (int h = 0; h < 8; ++h) {
+                        dst[staged_pos(kk % G + h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
+                        part += v[h];
+                    }
+                }
+#pragma unroll
+                for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+            }
         }
         __syncthreads();
         if (!active) continue;
@@ -550,7 +570,7 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 # kernel name -> (source, its compile-time parameters in key order; M, the row count, is the third)
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
-    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32")),
+    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7")),
 }
 
 
@@ -565,9 +585,12 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
 def pick_mma_blocks(n: int, k: int) -> dict[str, int]:
     """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D).
     From the shape only: a row's sums then run in the same order for any number of rows."""
-    if -(-n // 16) >= 512:
-        return {"TILES": 4, "KSPLIT": 2, "D": 2}
-    return {"TILES": 1, "KSPLIT": 8, "D": 2}
+    n_tiles = -(-n // 16)
+    if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K
+        return {"TILES": 1, "KSPLIT": 16, "D": 2}
+    if n_tiles <= 2048:
+        return {"TILES": 4, "KSPLIT": 4, "D": 1}
+    return {"TILES": 8, "KSPLIT": 2, "D": 1}
 
 
 _builds: dict[tuple, Future] = {}
@@ -637,7 +660,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -724,7 +747,9 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
         cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step)
         reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
         smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
-        launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags))
+        seven_bits = w.bits == 8 and w.u_max < 128
+        launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
+                          seven_bits))
         n_tiles = -(-n_out // 16)
         grid = -(-n_tiles // cfg["TILES"])
         extra = [cg, row_bytes]
