@@ -280,8 +280,8 @@ MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False
 # CUDA kernel: (output rows per warp, groups in flight per lane, warps splitting K) per row count.
 SWEEP = {1: [(2, 1, 1), (2, 1, 2)], 8: [(2, 1, 1)]}
 # Tensor-core kernel: (16-row tiles per block, warps splitting K, groups in flight per warp).
-MMA_SWEEP = [(1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 16, 2), (2, 4, 2), (2, 8, 1), (4, 2, 2), (4, 4, 1), (8, 1, 2),
-             (8, 2, 1), (4, 2, 3), (1, 4, 2)]
+MMA_SWEEP = [(1, 8, 2), (1, 16, 2), (2, 4, 2), (2, 4, 3), (4, 2, 2), (8, 2, 1), (1, 4, 2), (1, 4, 3), (2, 2, 2),
+             (4, 1, 2), (8, 1, 1)]
 
 
 def precompile() -> None:

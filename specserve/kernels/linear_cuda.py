@@ -294,7 +294,7 @@ MMA_SOURCE = r"""
 #define NMMA (G / 16)            // k16 products per group
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
-#define SU 4                     // staging: 8-activation units per thread and pass
+#define SU (M > 1 ? 4 : 1)       // staging: 8-activation units per thread and pass (registers!)
 
 typedef unsigned short bf16_t;
 typedef unsigned long long u64;
@@ -302,9 +302,9 @@ typedef unsigned long long u64;
 __device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
 __device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
 __device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
 __device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
 __device__ __forceinline__ float half_to_float(unsigned h) {
@@ -589,7 +589,7 @@ def pick_mma_blocks(n: int, k: int) -> dict[str, int]:
     if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K
         return {"TILES": 1, "KSPLIT": 16, "D": 2}
     if n_tiles <= 2048:
-        return {"TILES": 4, "KSPLIT": 4, "D": 1}
+        return {"TILES": 2, "KSPLIT": 4, "D": 2}
     return {"TILES": 8, "KSPLIT": 2, "D": 1}
 
 
