@@ -33,6 +33,8 @@ def test_repack_is_exact(qtype: Q) -> None:
     w = QuantWeight.from_ints(torch.from_numpy(q), torch.from_numpy(scale),
                               None if mins is None else torch.from_numpy(mins), group)
     assert w.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8)
+    # the smallest offset that makes signed integers non-negative: 6-bit Q6_K stays below 64
+    assert w.u_max == int(unpack(w.words, w.bits, group).max()) and (qtype != Q.Q6_K or w.u_max < 64)
     # fp16 scale and min: off by at most a few fp16 roundings of the group's largest magnitude
     err = (dequantize_ref(w, torch.float32) - torch.from_numpy(expected)).abs().view(ROWS, -1, group)
     assert (err <= torch.from_numpy(np.abs(expected)).view(ROWS, -1, group).amax(-1, keepdim=True) * 2e-3).all()

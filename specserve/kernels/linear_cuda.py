@@ -589,7 +589,7 @@ def pick_mma_blocks(n: int, k: int) -> dict[str, int]:
     if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K
         return {"TILES": 1, "KSPLIT": 16, "D": 2}
     if n_tiles <= 2048:
-        return {"TILES": 2, "KSPLIT": 4, "D": 2}
+        return {"TILES": 2, "KSPLIT": 2, "D": 2}
     return {"TILES": 8, "KSPLIT": 2, "D": 1}
 
 
