@@ -208,6 +208,18 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
         assert torch.equal(got, torch.cat(singles[:rows]))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+def test_quantized_verify_rows_compute_what_decode_computes() -> None:
+    """Up to MAX_SLICED_ROWS rows (long verify steps) go through the same kernel as one row, in slices."""
+    from specserve.kernels.linear import MAX_SLICED_ROWS, linear
+
+    qw = random_quant(300, 1536, 32, True)
+    x = torch.randn(MAX_SLICED_ROWS, 1536, device=DEVICE).to(DTYPE)
+    singles = torch.cat([linear(x[i:i + 1], qw) for i in range(MAX_SLICED_ROWS)])
+    for rows in (17, 40, MAX_SLICED_ROWS):
+        assert torch.equal(linear(x[:rows], qw), singles[:rows])
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""
