@@ -1,27 +1,32 @@
-"""CUDA C matrix-vector kernel for bit-packed quantized weights (QuantWeight), 1..16 rows, bf16.
+"""CUDA C matrix-vector kernels for bit-packed quantized weights (QuantWeight), 1..16 rows, bf16.
 
-Per weight it costs one shift, one logic op (LOP3) and one FMA per activation row:
+Two kernels; both compute every (output row, activation row) pair with the same instruction
+sequence whatever the row count, so a verify step of 8 rows computes bit for bit what 8 one-row
+decode steps compute (tests/test_kernels.py checks this), and speculative greedy text equals
+plain greedy text.
 
-- a block of 8 warps stages the activations in shared memory once, as fp32 (SwiGLU of a
-  [gate | up] input applied there, rounded as torch rounds it), padded so that lanes reading
-  16 bytes each hit distinct banks; the first weights are already in flight meanwhile;
-- each warp computes RN output rows; KSPLIT warps share a row set and split its groups; a
-  lane walks its groups (16..32 weights: one 16-byte load in the 4-bit / 32 and 8-bit / 16
-  layouts) with U groups in flight;
-- a bit field becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent (no
-  conversion instruction); per group, s * sum(u x) - min * sum(x) is recovered from
-  sum((1 + u / 2^bits) x) and sum(x), so scales touch each group once, not each weight;
-- a lane owns the same groups whatever the row count and every (output row, activation row)
-  pair runs the same instruction sequence, so a verify step of 8 rows computes bit for bit
-  what 8 one-row decode steps compute (tests/test_kernels.py checks this).
+`gemv_mma` (the default on sm_80+): tensor cores on exact integers. A warp owns 16 output rows
+and multiplies them with up to 16 activation rows by mma.sync m16n8k16 (weights as A, bf16):
+- a lane loads 16 bytes of each of its two rows per step (a quad of lanes: 64 contiguous bytes)
+  and the quad swaps words (quad_transpose) so each lane holds the words its fragments take;
+- a 4-bit field (or an 8-bit one below 128, `QuantWeight.u_max`) becomes an exact bf16 integer
+  under bf16's exponent of 128 (LOP3) minus 128 (one bf16x2 FMA); wider bytes go through fp32;
+- the fp32 partial of each group is scaled once: acc += scale * partial - min * sum(x), the
+  activations' group sums computed while staging them;
+- activations are staged in shared memory as bf16 (SwiGLU of a [gate | up] input applied
+  there), permuted so a lane reads its B fragment in one load.
+`gemv_q`: CUDA cores. A lane walks whole groups of one row (one 16-byte load), a bit field
+becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent, and per group
+s * sum(u x) - min * sum(x) is recovered from sum((1 + u / 2^bits) x) and sum(x). It also takes
+4-bit groups of 16 and row lengths the MMA kernel's 16-word steps do not divide.
 
-On an H200 (benchmarks/results/kernel_notes.md, v4) one row runs at bf16's speed per matrix or
-better with 2.1x fewer bytes (the output matrix at 3.7-4 TB/s); several rows are arithmetic-bound
-on CUDA cores (8 rows: 3-5x one row), which is why float weights stay the default.
-Triton versions of this kernel (linear_triton.py, the fallback) stayed at a third of the
-bandwidth. Compiled at first use with NVRTC through torch (`torch.cuda._compile_kernel`), one
-build per variant (integer width, rows, blocks, fusion flags). Where that is not available, or
-for other dtypes, `usable` says no and the Triton kernels run instead.
+On an H200 (benchmarks/results/kernel_notes.md, v5) one row costs about the same in both (the MMA
+kernel: wqkv 3.9, wo 3.9, gate_up 13.9, down 11.6-14.3 us; the output matrix 101 vs 79 us), and 8
+rows cost the MMA kernel 1.5-2x one row instead of the CUDA cores' 3-5x. Float (bf16) weights stay
+the default: their 8-row steps run on cuBLAS at ~1.1x one row. Compiled at first use with NVRTC
+through torch (`torch.cuda._compile_kernel`), one build per variant (integer width, rows, blocks,
+fusion flags). Where that is not available, or for other dtypes, `usable` says no and the Triton
+kernels (linear_triton.py) run instead. SPECSERVE_QUANT_KERNEL=core|triton picks another kernel.
 """
 
 from __future__ import annotations
