@@ -44,6 +44,42 @@ from specserve.kernels.linear import QuantWeight
 
 WARPS = 8  # per block
 
+# Types and helpers of both kernels, put where their sources say __COMMON__ (after their #defines).
+COMMON = r"""
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
+__device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
+__device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
+__device__ __forceinline__ float half_to_float(unsigned h) {
+    float f;
+    unsigned short s = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+}
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+    float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
+    return round_bf(act * up);
+}
+// y (+ bias) rounded to bf16, stored as bf16 or as fp32 (logits)
+__device__ __forceinline__ void store_out(void* out, const bf16_t* bias, int row, int n, int N, float y) {
+#if BIAS
+    y += lo_bf(bias[n]);
+#endif
+#if OUT_F32
+    ((float*)out)[(u64)row * N + n] = round_bf(y);
+#else
+    ((bf16_t*)out)[(u64)row * N + n] = (bf16_t)to_bf(y);
+#endif
+}
+"""
+
 SOURCE = r"""
 #define BITS __BITS__
 #define WPG __WPG__
@@ -60,28 +96,7 @@ SOURCE = r"""
 #define MASK ((1u << BITS) - 1u)
 #define TOP (23 - BITS)
 #define WARPS __WARPS__
-
-typedef unsigned short bf16_t;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
-__device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
-__device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-__device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
-__device__ __forceinline__ float half_to_float(unsigned h) {
-    float f;
-    unsigned short s = (unsigned short)h;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
-    return f;
-}
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-    float act = round_bf(gate / (1.0f + __expf(-gate)));
-    return round_bf(act * up);
-}
+__COMMON__
 // bit field i of w as the fp32 value 1 + u / 2^BITS
 __device__ __forceinline__ float field(unsigned w, int i) {
     const int shift = BITS * i - TOP;
@@ -263,17 +278,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
             const int n = n0 + r;
             if (n < N) {
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    float y = acc[r][m];
-#if BIAS
-                    y += lo_bf(bias[n]);
-#endif
-#if OUT_F32
-                    ((float*)out)[(u64)m * N + n] = round_bf(y);
-#else
-                    ((bf16_t*)out)[(u64)m * N + n] = (bf16_t)to_bf(y);
-#endif
-                }
+                for (int m = 0; m < M; ++m) store_out(out, bias, m, n, N, acc[r][m]);
             }
         }
     }
@@ -300,28 +305,7 @@ MMA_SOURCE = r"""
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
 #define SU (M > 1 ? 4 : 1)       // staging: 8-activation units per thread and pass (registers!)
-
-typedef unsigned short bf16_t;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float lo_bf(unsigned r) { return __uint_as_float(r << 16); }
-__device__ __forceinline__ float hi_bf(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
-__device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, as torch does
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
-__device__ __forceinline__ float half_to_float(unsigned h) {
-    float f;
-    unsigned short s = (unsigned short)h;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
-    return f;
-}
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-    float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
-    return round_bf(act * up);
-}
+__COMMON__
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
 __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
     unsigned r;
@@ -554,17 +538,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = tile * 16 + g + (e >> 1) * 8, tok = nb * 8 + 2 * t + (e & 1);
-            if (n < N && tok < M) {
-                float y = acc[nb][e];
-#if BIAS
-                y += lo_bf(bias[n]);
-#endif
-#if OUT_F32
-                ((float*)out)[(u64)tok * N + n] = round_bf(y);
-#else
-                ((bf16_t*)out)[(u64)tok * N + n] = (bf16_t)to_bf(y);
-#endif
-            }
+            if (n < N && tok < M) store_out(out, bias, tok, n, N, acc[nb][e]);
         }
 }
 """
@@ -607,7 +581,7 @@ def _build(device: int, key: tuple) -> Any:
     torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
     name, params = key[0], key[1:]
     source, names = KERNELS[name]
-    src = source.replace("__WARPS__", str(WARPS))
+    src = source.replace("__COMMON__", COMMON).replace("__WARPS__", str(WARPS))
     for param, val in zip(names, params, strict=True):
         src = src.replace(f"__{param}__", str(int(val)))
     kernel = torch.cuda._compile_kernel(src, name)
