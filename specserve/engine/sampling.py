@@ -134,8 +134,7 @@ class Sampler:
         """Sample one token from a 1-D logits row, record it in the history and return it."""
         if logits.dim() != 1:
             raise ValueError(f"sample() wants 1-D logits [vocab], got shape {tuple(logits.shape)}")
-        p = self.params
-        if p.greedy and not p.penalized:
+        if self.argmax_only:
             token = int(logits.argmax().item())  # the hot path: one op, one sync
         else:
             token = int(self._sample_rows(logits.unsqueeze(0), []).item())
@@ -153,11 +152,18 @@ class Sampler:
                 f"sample_and_verify() wants logits [{len(draft) + 1}, vocab] for a draft of {len(draft)}, "
                 f"got shape {tuple(logits.shape)}"
             )
-        p = self.params
-        if p.greedy and not p.penalized:
-            sampled = logits.argmax(dim=-1).tolist()
-        else:
-            sampled = self._sample_rows(logits, draft).tolist()
+        sampled = logits.argmax(dim=-1).tolist() if self.argmax_only else self._sample_rows(logits, draft).tolist()
+        return self.accept(sampled, draft)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Each token is the argmax of its logits (greedy, no penalties), so a caller holding the
+        argmax of many rows at once (one transfer for a whole batch) can pass them to `accept`."""
+        return self.params.greedy and not self.params.penalized
+
+    def accept(self, sampled: list[int], draft: list[int]) -> list[int]:
+        """Token i sampled from row i (as if draft[:i] were accepted) -> the accepted draft prefix
+        plus one new token; recorded for the penalties."""
         out: list[int] = []
         for i, token in enumerate(sampled):
             out.append(int(token))

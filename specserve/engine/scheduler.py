@@ -376,20 +376,14 @@ class Scheduler:
 
     @staticmethod
     def _plain_greedy(slot: Slot) -> bool:
-        """The token is the argmax of the logits (the sampler keeps no state that matters then)."""
-        return slot.sampler is not None and slot.sampler.params.greedy and not slot.sampler.params.penalized
+        return slot.sampler is not None and slot.sampler.argmax_only
 
     @staticmethod
     def _choose(slot: Slot, rows: torch.Tensor, draft: list[int], greedy: list[int] | None) -> list[int]:
         """The accepted draft prefix plus one new token (row i is the target's view after draft[:i])."""
-        if greedy is not None:
-            out: list[int] = []
-            for i, token in enumerate(greedy):
-                out.append(token)
-                if i == len(draft) or token != draft[i]:
-                    break
-            return out
         assert slot.sampler is not None
+        if greedy is not None:
+            return slot.sampler.accept(greedy, draft)
         return slot.sampler.sample_and_verify(rows, draft) if draft else [slot.sampler.sample(rows[0])]
 
     def _after_prompt_chunk(self, slot: Slot, n_tokens: int, rows: torch.Tensor, greedy: list[int] | None) -> None:
