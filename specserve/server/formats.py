@@ -45,6 +45,12 @@ class Format:
         return self.engine.token_piece(token)
 
 
+def token_entry(engine: Engine, token: int, logprob: float) -> dict[str, Any]:
+    """A token's text, log-probability and bytes, as llama-server and OpenAI chat report them."""
+    piece = engine.tokenizer.token_bytes(token)
+    return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+
 class NativeFormat(Format):
     """llama-server POST /completion."""
 
@@ -54,9 +60,7 @@ class NativeFormat(Format):
 
     def _probs(self, probs: list[TokenProb]) -> list[dict[str, Any]]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
-            piece = self.engine.tokenizer.token_bytes(token)
-            return {"id": token, "token": piece.decode("utf-8", errors="replace"), "logprob": logprob,
-                    "bytes": list(piece)}
+            return {"id": token, **token_entry(self.engine, token, logprob)}
 
         return [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]} for p in probs]
 
@@ -91,21 +95,45 @@ class NativeFormat(Format):
         return out
 
 
-class CompletionFormat(Format):
-    """OpenAI POST /v1/completions."""
+class OpenAIFormat(Format):
+    """What OpenAI's completions and chat completions share: the envelope, `[DONE]`, and a stream
+    tail of an empty choice with the finish reason, then (if asked) a choice-less usage chunk."""
 
     done_marker = True
+    id_prefix = ""
+    object = ""  # of streamed chunks
+
+    def __init__(self, engine: Engine, task: Task, include_usage: bool = False):
+        super().__init__(engine, task)
+        self.id = self.id_prefix + secrets.token_hex(12)
+        self.include_usage = include_usage
+
+    def _envelope(self, choice: dict[str, Any] | None, obj: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": obj or self.object, "created": self.created, "model": self.engine.model_name,
+                "system_fingerprint": "specserve", "choices": [choice] if choice is not None else []}
+
+    def _empty_choice(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def final(self, result: Result) -> list[dict[str, Any]]:
+        last = self._envelope({**self._empty_choice(), "finish_reason": FINISH_REASON[result.stop_type]})
+        last["timings"] = result.timings()
+        out = [last]
+        if self.include_usage:
+            out.append({**self._envelope(None), "usage": usage(result)})
+        return out
+
+
+class CompletionFormat(OpenAIFormat):
+    """OpenAI POST /v1/completions."""
+
+    id_prefix = "cmpl-"
+    object = "text_completion"
 
     def __init__(self, engine: Engine, task: Task, echo_text: str = "", include_usage: bool = False):
-        super().__init__(engine, task)
-        self.id = "cmpl-" + secrets.token_hex(12)
+        super().__init__(engine, task, include_usage)
         self.echo_text = echo_text
-        self.include_usage = include_usage
         self._offset = len(echo_text)
-
-    def _envelope(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.engine.model_name, "system_fingerprint": "specserve", "choices": [choice]}
 
     def _logprobs(self, probs: list[TokenProb] | None) -> dict[str, Any] | None:
         if not self.task.n_probs or probs is None:
@@ -118,6 +146,9 @@ class CompletionFormat(Format):
         return {"tokens": tokens, "token_logprobs": [p.logprob for p in probs],
                 "top_logprobs": [{self._piece(t): lp for t, lp in p.top} for p in probs], "text_offset": offsets}
 
+    def _empty_choice(self) -> dict[str, Any]:
+        return {"text": "", "index": 0, "logprobs": None}
+
     def start(self) -> list[dict[str, Any]]:
         if not self.echo_text:
             return []
@@ -129,15 +160,6 @@ class CompletionFormat(Format):
         return self._envelope({"text": chunk.text, "index": 0, "logprobs": self._logprobs(chunk.probs),
                                "finish_reason": None})
 
-    def final(self, result: Result) -> list[dict[str, Any]]:
-        last = self._envelope({"text": "", "index": 0, "logprobs": None,
-                               "finish_reason": FINISH_REASON[result.stop_type]})
-        last["timings"] = result.timings()
-        out = [last]
-        if self.include_usage:
-            out.append({**self._envelope({}), "choices": [], "usage": usage(result)})
-        return out
-
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
         text = self.echo_text + "".join(c.text for c in chunks)
@@ -146,30 +168,24 @@ class CompletionFormat(Format):
         return {**out, "usage": usage(result), "timings": result.timings()}
 
 
-class ChatFormat(Format):
+class ChatFormat(OpenAIFormat):
     """OpenAI POST /v1/chat/completions."""
 
-    done_marker = True
-
-    def __init__(self, engine: Engine, task: Task, include_usage: bool = False):
-        super().__init__(engine, task)
-        self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.include_usage = include_usage
-
-    def _envelope(self, choice: dict[str, Any] | None, obj: str = "chat.completion.chunk") -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.engine.model_name,
-                "system_fingerprint": "specserve", "choices": [choice] if choice is not None else []}
+    id_prefix = "chatcmpl-"
+    object = "chat.completion.chunk"
 
     def _logprobs(self, probs: list[TokenProb] | None) -> dict[str, Any] | None:
         if not self.task.n_probs or probs is None:
             return None
 
         def entry(token: int, logprob: float) -> dict[str, Any]:
-            piece = self.engine.tokenizer.token_bytes(token)
-            return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+            return token_entry(self.engine, token, logprob)
 
         return {"content": [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]}
                             for p in probs]}
+
+    def _empty_choice(self) -> dict[str, Any]:
+        return {"index": 0, "delta": {}, "logprobs": None}
 
     def start(self) -> list[dict[str, Any]]:
         return [self._envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -180,15 +196,6 @@ class ChatFormat(Format):
             return None
         return self._envelope({"index": 0, "delta": {"content": chunk.text},
                                "logprobs": self._logprobs(chunk.probs), "finish_reason": None})
-
-    def final(self, result: Result) -> list[dict[str, Any]]:
-        last = self._envelope({"index": 0, "delta": {}, "logprobs": None,
-                               "finish_reason": FINISH_REASON[result.stop_type]})
-        last["timings"] = result.timings()
-        out = [last]
-        if self.include_usage:
-            out.append({**self._envelope(None), "usage": usage(result)})
-        return out
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
