@@ -33,8 +33,8 @@ from specserve.kernels.dispatch import triton_enabled
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
-# Quantized products up to this many rows run as 16-row slices of the CUDA kernel, so a verify step
-# of 17+ tokens computes what decode steps compute; longer ones (prefill) dequantize for cuBLAS.
+# Quantized products up to this many rows take the CUDA kernels (16-row slices above 16), so a
+# verify step of 17+ tokens computes what decode steps compute; longer ones (prefill) dequantize for cuBLAS.
 MAX_SLICED_ROWS = 64
 
 
@@ -160,10 +160,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
 
         kernel = linear_cuda.usable(x, w, bias, out_dtype or x.dtype)
         if kernel:
-            flat = x.reshape(rows, x.shape[-1])
-            y = torch.cat([linear_cuda.gemv(flat[i : i + MAX_GEMV_ROWS], w, bias, silu_input, out_dtype or x.dtype,
-                                            kernel=kernel) for i in range(0, rows, MAX_GEMV_ROWS)])
-            return y.view(*x.shape[:-1], y.shape[-1])
+            return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 

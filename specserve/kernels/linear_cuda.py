@@ -1,4 +1,4 @@
-"""CUDA C matrix-vector kernels for bit-packed quantized weights (QuantWeight), 1..16 rows, bf16.
+"""CUDA C matrix-vector kernels for bit-packed quantized weights (QuantWeight), few rows, bf16.
 
 Two kernels; both compute every (output row, activation row) pair with the same instruction
 sequence whatever the row count, so a verify step of 8 rows computes bit for bit what 8 one-row
@@ -706,19 +706,34 @@ def mma_chunk(n_rows: int, k: int, group: int, step: int) -> tuple[int, int]:
     return cg, row_bytes(cg)
 
 
+ROWS_PER_LAUNCH = 16  # the kernels' largest M: more rows run as slices of this many
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
          blocks: dict[str, int] | None = None, kernel: str | None = None) -> torch.Tensor:
-    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype, 1..16 rows.
-    `kernel`: "gemv_mma" or "gemv_q" (default: what `usable` picks); `blocks`: that kernel's blocks."""
+    """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
+
+    Up to 16 rows per launch; more rows run as 16-row slices into one output, so each row gets the
+    same sums as in a one-row call. `kernel`: "gemv_mma" or "gemv_q" (default: what `usable` picks);
+    `blocks`: that kernel's blocks."""
     lead = x.shape[:-1]
     x2 = _flat_rows(x)
-    n_rows = x2.shape[0]
     n_out, k = w.shape
-    assert 1 <= n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
+    assert x2.shape[1] == (2 * k if silu_input else k)
     kernel = kernel or usable(x2, w, bias, out_dtype)
     assert kernel, "no CUDA kernel takes this product (see usable)"
-    out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
-    flags = (silu_input, bias is not None, out_dtype == torch.float32)
+    out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
+    for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):
+        _launch(kernel, x2[i:i + ROWS_PER_LAUNCH], w, bias, silu_input, out[i:i + ROWS_PER_LAUNCH], blocks)
+    return out.view(*lead, n_out)
+
+
+def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
+            out: torch.Tensor, blocks: dict[str, int] | None) -> None:
+    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (both row-contiguous)."""
+    n_rows = x2.shape[0]
+    n_out, k = w.shape
+    flags = (silu_input, bias is not None, out.dtype == torch.float32)
     if kernel == "gemv_mma":
         cfg = blocks or pick_mma_blocks(n_out, k)
         warps = cfg["TILES"] * cfg["KSPLIT"]
@@ -747,4 +762,3 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     launch(grid=(grid, 1, 1), block=(32 * warps, 1, 1),
            args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra],
            shared_mem=smem)
-    return out.view(*lead, n_out)
