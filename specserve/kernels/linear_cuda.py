@@ -577,14 +577,20 @@ _builds_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
-def _build(device: int, key: tuple) -> Any:
-    torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
+def kernel_source(key: tuple) -> str:
+    """The CUDA C of one variant: (kernel name, its parameters in KERNELS' order) filled in."""
     name, params = key[0], key[1:]
     source, names = KERNELS[name]
     src = source.replace("__COMMON__", COMMON).replace("__WARPS__", str(WARPS))
     for param, val in zip(names, params, strict=True):
         src = src.replace(f"__{param}__", str(int(val)))
-    kernel = torch.cuda._compile_kernel(src, name)
+    return src
+
+
+def _build(device: int, key: tuple) -> Any:
+    torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
+    name = key[0]
+    kernel = torch.cuda._compile_kernel(kernel_source(key), name)
     if name == "gemv_mma":
         _allow_smem(kernel, MMA_SMEM_BYTES)
     return kernel
