@@ -49,18 +49,24 @@ class GraphCache:
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
 
-    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        static_in = torch.empty((3, rows), dtype=torch.long, device=self.device)
-        self._pad_rows(static_in, 0)
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
+        into this cache's memory pool; returns the graph and fn's output buffer."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks kernels
-                self.forward_all(static_in[0], static_in[1], static_in[2])
+            for _ in range(2):
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.forward_all(static_in[0], static_in[1], static_in[2])
+            out = fn()
+        return graph, out
+
+    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        static_in = torch.empty((3, rows), dtype=torch.long, device=self.device)
+        self._pad_rows(static_in, 0)
+        graph, static_out = self.capture(lambda: self.forward_all(static_in[0], static_in[1], static_in[2]))
         return graph, static_in, static_out
 
     def capture_up_to(self, n_rows: int) -> None:

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from specserve.engine.batch import Batch
+from specserve.engine.greedy_chain import DEPTH, GreedyChain
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler
 from specserve.errors import SpecserveError
@@ -112,6 +113,9 @@ def generate(
     if speculator is not None:
         speculator.begin(prompt)
     try:
+        if speculator is None and sampler.argmax_only:
+            yield from _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)
+            return
         pending = [token]
         while True:
             for tok in pending:
@@ -152,3 +156,29 @@ def generate(
         stats.decode_seconds = time.perf_counter() - t0
         if speculator is not None:
             speculator.end()
+
+
+def _decode_chained(runner: LocalRunner, seq: int, token: int, n_kv: int, n_predict: int, sampler: Sampler,
+                    is_eog: Callable[[int], bool], stats: GenerationStats) -> Iterator[int]:
+    """Plain greedy decoding through a GreedyChain: the steps after `token` are queued before it is
+    yielded, so the consumer's work overlaps the device. n_kv: KV entries so far (`token` goes next)."""
+    chain = GreedyChain(runner, seq, token, n_kv)
+    try:
+        while True:
+            stats.tokens.append(token)
+            stats.generated += 1
+            stop = ("eog" if is_eog(token) else "length" if stats.generated >= n_predict
+                    else "context" if n_kv >= runner.n_ctx else None)
+            ahead = 0 if stop else min(DEPTH, n_predict - stats.generated)  # tokens to come
+            while chain.in_flight < ahead and chain.position < runner.n_ctx:
+                chain.submit()
+                stats.target_forwards += 1
+            yield token
+            if stop is not None:
+                stats.stop_reason = stop
+                return
+            token = chain.next_token()
+            sampler.accept([token], [])
+            n_kv += 1
+    finally:
+        chain.close(n_kv)

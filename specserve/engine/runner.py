@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,12 +94,14 @@ class LocalRunner:
         )
         self.seq_len = [0] * n_seqs
         self.graphs = GraphCache(self._forward_all_rows, self.device, pad_seq=n_seqs) if use_graphs else None
+        self._chain: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None
         freeze_gc()
 
     def warmup(self, max_rows: int = 17) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows (no-op without graphs)."""
         if self.graphs is not None:
             self.graphs.capture_up_to(max_rows)
+            self.greedy_step()
             freeze_gc()
 
     @property
@@ -121,6 +124,45 @@ class LocalRunner:
     def _forward_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """Logits of every row, with no host-side batch layout (what CUDA graphs capture)."""
         return self.model.forward(tokens, positions, seq_ids, None, [], self.kv)
+
+    def greedy_step(self) -> tuple[torch.Tensor, Callable[[int, int], torch.Tensor]]:
+        """(state, step) for greedy decoding with the token fed back on the device (GreedyChain).
+
+        state: long [3, 1] on the device, the (token, position, sequence) the next step evaluates.
+        step(seq, position) evaluates it (the host passes what state holds: it knows both), moves
+        state to (argmax of the logits, position + 1, seq) and returns that argmax [1]: a buffer the
+        next step overwrites. With CUDA graphs the step is one replay, captured at the first call."""
+        if self._chain is None:
+            state = torch.zeros((3, 1), dtype=torch.long, device=self.device)
+            if self.graphs is None:
+                def step(seq: int, position: int) -> torch.Tensor:
+                    return self._greedy_forward(state, [(seq, 0, 1, position + 1)])
+            else:
+                state[2] = self.graphs.pad_seq  # the warm-up runs of the capture write the scratch sequence
+                graph, token = self.graphs.capture(lambda: self._greedy_forward(state, []))
+
+                def step(seq: int, position: int) -> torch.Tensor:
+                    graph.replay()
+                    return token
+            self._chain = (state, step)
+        state, step = self._chain
+
+        def checked_step(seq: int, position: int) -> torch.Tensor:
+            if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or position >= self.n_ctx:
+                raise SpecserveError(f"greedy step at position {position} of sequence {seq} is out of range")
+            token = step(seq, position)
+            self.seq_len[seq] = position + 1
+            return token
+
+        return state, checked_step
+
+    def _greedy_forward(self, state: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = self.model.forward(state[0], state[1], state[2], None, runs, self.kv)
+            token = logits.argmax(dim=-1)
+            state[0].copy_(token)
+            state[1].add_(1)
+        return token
 
     def _forward_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
         dev = self.device

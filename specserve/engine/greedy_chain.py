@@ -1,0 +1,66 @@
+"""Plain greedy decoding with the host a step ahead of the device.
+
+Each step evaluates one token and takes the argmax of its logits on the device, where the
+next step reads its token (LocalRunner.greedy_step). So step i + 1 is queued before the host
+has seen token i: the GPU runs the steps back to back, and the host's per-token work
+(detokenizing, stop checks, streaming) overlaps them instead of adding to every step. A step
+queued past the end (the previous token ended generation) only writes a KV entry past what
+the caller keeps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from specserve.engine.runner import LocalRunner
+
+DEPTH = 2  # steps in flight: one running, one queued behind it
+
+
+class GreedyChain:
+    """Queues greedy steps of one sequence, starting with `token` at `position`."""
+
+    def __init__(self, runner: LocalRunner, seq: int, token: int, position: int):
+        self.runner = runner
+        self.seq = seq
+        self.position = position  # where the next queued step writes
+        self.state, self._step = runner.greedy_step()
+        self.state.copy_(torch.tensor([[token], [position], [seq]], dtype=torch.long))
+        cuda = runner.device.type == "cuda"
+        self._host = torch.zeros(DEPTH, dtype=torch.long, pin_memory=cuda)
+        self._events = [torch.cuda.Event() for _ in range(DEPTH)] if cuda else []
+        self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
+        self._n_submitted = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queued)
+
+    def submit(self) -> None:
+        """Queue the next step (at most DEPTH in flight)."""
+        assert self.in_flight < DEPTH
+        slot = self._n_submitted % DEPTH
+        token = self._step(self.seq, self.position)
+        self._host[slot : slot + 1].copy_(token, non_blocking=True)
+        if self._events:
+            self._events[slot].record()
+        self._queued.append(slot)
+        self._n_submitted += 1
+        self.position += 1
+
+    def next_token(self) -> int:
+        """The token picked by the oldest queued step (waits for that step only)."""
+        slot = self._queued.popleft()
+        if self._events:
+            self._events[slot].synchronize()
+        return int(self._host[slot])
+
+    def close(self, n_keep: int) -> None:
+        """Wait for queued steps and keep the sequence's first n_keep KV entries."""
+        if self._events:
+            for slot in self._queued:
+                self._events[slot].synchronize()
+        self._queued.clear()
+        self.runner.kv_truncate(self.seq, n_keep)

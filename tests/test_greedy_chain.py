@@ -1,0 +1,77 @@
+"""Plain greedy decoding through GreedyChain (token fed back on the device, steps queued ahead)
+gives what step-by-step decoding gives: the same tokens, stop reason and kept KV length."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.runner import LocalRunner
+from specserve.engine.sampling import Sampler, SamplingParams
+
+PROMPT = [1, 504, 3458, 314, 4234, 28, 9175, 30, 2193, 253, 655, 28]
+
+
+class NoDraft:
+    """A speculator that never drafts: generate() then takes its step-by-step loop."""
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
+        return []
+
+    def accept(self, n_accepted: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def greedy(runner: LocalRunner, n: int, step_by_step: bool,
+           is_eog: Callable[[int], bool] = lambda t: False) -> tuple[list[int], GenerationStats, int]:
+    stats = GenerationStats()
+    tokens = list(generate(runner, PROMPT, n, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
+                           speculator=NoDraft() if step_by_step else None, stats=stats))
+    return tokens, stats, runner.seq_len[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 20])
+def test_chained_matches_step_by_step(smollm_runner: LocalRunner, n: int) -> None:
+    ref, ref_stats, ref_kv = greedy(smollm_runner, n, step_by_step=True)
+    got, stats, kv = greedy(smollm_runner, n, step_by_step=False)
+    assert got == ref and len(got) == n
+    assert kv == ref_kv == len(PROMPT) + n - 1  # every token but the last was evaluated
+    assert stats.stop_reason == ref_stats.stop_reason == "length"
+    assert stats.target_forwards == ref_stats.target_forwards == n - 1
+
+
+def test_chained_stops_at_end_of_generation(smollm_runner: LocalRunner) -> None:
+    ref, _, _ = greedy(smollm_runner, 12, step_by_step=True)
+    eog = ref[5]
+    first = ref.index(eog)
+    got, stats, kv = greedy(smollm_runner, 12, step_by_step=False, is_eog=lambda t: t == eog)
+    assert got == ref[:first + 1]
+    assert stats.stop_reason == "eog"
+    assert kv == len(PROMPT) + first  # a step queued past the end-of-generation token is not kept
+
+
+def test_chained_stops_at_full_context(smollm_path) -> None:
+    runner = LocalRunner(smollm_path, n_ctx=len(PROMPT) + 5, device="cpu", progress=False)
+    ref, ref_stats, ref_kv = greedy(runner, 50, step_by_step=True)
+    got, stats, kv = greedy(runner, 50, step_by_step=False)
+    assert got == ref and len(got) == 6  # the prompt's token, then one per free position
+    assert stats.stop_reason == ref_stats.stop_reason == "context"
+    assert kv == ref_kv == runner.n_ctx
+
+
+def test_chained_consumer_stops_early(smollm_runner: LocalRunner) -> None:
+    """A consumer that stops reading (a stop string, a closed stream) leaves a consistent cache."""
+    ref, _, _ = greedy(smollm_runner, 10, step_by_step=True)
+    gen = generate(smollm_runner, PROMPT, 10, Sampler(SamplingParams(temperature=0)))
+    got = [next(gen) for _ in range(4)]
+    gen.close()
+    assert got == ref[:4]
+    assert smollm_runner.seq_len[0] == len(PROMPT) + 3
