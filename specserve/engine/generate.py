@@ -172,12 +172,12 @@ def _decode_chained(runner: LocalRunner, seq: int, token: int, n_kv: int, n_pred
             ahead = 0 if stop else min(DEPTH, n_predict - stats.generated)  # tokens to come
             while chain.in_flight < ahead and chain.position < runner.n_ctx:
                 chain.submit()
-                stats.target_forwards += 1
             yield token
             if stop is not None:
                 stats.stop_reason = stop
                 return
             token = chain.next_token()
+            stats.target_forwards += 1  # steps whose token was used (one queued past the end is not)
             sampler.accept([token], [])
             n_kv += 1
     finally:
