@@ -288,7 +288,7 @@ def precompile() -> None:
     """Builds every swept CUDA variant at once."""
     keys = {("gemv_q", bits, group * bits // 32, m, rn, u, ks, silu, False, False)
             for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
-    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False, bits == 8)
+    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False, bits == 8, False)
              for _, k, silu, bits, group in MATRICES.values() for m in (1, 8) for tl, ks, d in MMA_SWEEP}
     linear_cuda.prebuild(sorted(keys))
 

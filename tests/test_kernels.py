@@ -223,6 +223,29 @@ def test_quantized_verify_rows_compute_what_decode_computes() -> None:
         assert torch.equal(linear(x[:rows], qw), singles[:rows])
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("fmt", ["k32min", "k16"])
+@pytest.mark.parametrize("n_ff", [256, 264])  # 264: the last tile's 8 gate rows start past a 16-row boundary
+def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
+    """SwiGLU in the tensor-core gate_up kernel's output: silu(gate) * up to bf16 rounding, and for down
+    the same activations its input stage computed before, bit for bit (1..16 rows, and sliced above)."""
+    from specserve.kernels import linear_cuda
+    from specserve.kernels.activation import silu_mul_ref
+    from specserve.kernels.linear import feed_forward, linear
+
+    k = 1536
+    w_gate_up = random_quant(2 * n_ff, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
+    w_down = random_quant(48, n_ff, 32, True) if n_ff % 32 == 0 else None  # 264: no whole groups of 16 or 32
+    x = torch.randn(20, k, device=DEVICE).to(DTYPE)
+    for rows in (1, 3, 9, 16, 20):
+        act = linear_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma", swiglu_output=True)
+        gate_up = linear_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma")
+        assert act.shape == (rows, n_ff)
+        assert rel_err(act, silu_mul_ref(gate_up.float())) < TOL
+        if w_down is not None:
+            assert torch.equal(feed_forward(x[:rows], w_gate_up, w_down), linear(gate_up, w_down, silu_input=True))
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""

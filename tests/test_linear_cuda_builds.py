@@ -19,9 +19,9 @@ def test_one_request_builds_every_row_count_once(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(linear_cuda, "_build", fake_build)
     monkeypatch.setattr(linear_cuda, "_builds", {})
     monkeypatch.setattr(linear_cuda.torch.cuda, "current_device", lambda: 0)
-    key = ("gemv_mma", 4, 32, 3, 2, 1, 4, True, False, False, False)
+    key = ("gemv_mma", 4, 32, 3, 2, 1, 4, True, False, False, False, False)
     assert linear_cuda._kernel(key) == ("kernel", key)
-    assert linear_cuda._kernel(("gemv_mma", 4, 32, 8, 2, 1, 4, True, False, False, False))[1][3] == 8
+    assert linear_cuda._kernel(("gemv_mma", 4, 32, 8, 2, 1, 4, True, False, False, False, False))[1][3] == 8
     other = ("gemv_q", 8, 4, 1, 2, 1, 1, False, False, True)
     linear_cuda.prebuild([other])
     rows = sorted(key[3] for key in built if key[0] == "gemv_mma")

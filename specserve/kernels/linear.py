@@ -172,6 +172,21 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where the tensor-core kernel takes the
+    gate_up product, SwiGLU runs in its output (down then stages plain activations); elsewhere in
+    down's input. Both round gate, up, silu(gate) and the product to bf16 alike: the same values."""
+    rows = x.numel() // x.shape[-1]
+    if isinstance(w_gate_up, QuantWeight) and rows <= MAX_SLICED_ROWS and triton_enabled(x) \
+            and w_gate_up.shape[0] % 16 == 0:
+        from specserve.kernels import linear_cuda
+
+        if linear_cuda.usable(x, w_gate_up, None, x.dtype) == "gemv_mma":
+            act = linear_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True)
+            return linear(act, w_down)
+    return linear(linear(x, w_gate_up), w_down, silu_input=True)
+
+
 def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     if triton_enabled(w.words):
         from specserve.kernels import linear_triton

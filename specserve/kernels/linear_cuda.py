@@ -293,7 +293,8 @@ MMA_SOURCE = r"""
 #define KSPLIT __KSPLIT__
 #define D __D__
 #define U7 __U7__                // 8-bit fields all below 128
-#define SILU __SILU__
+#define SILU __SILU__            // SwiGLU of a [gate | up] input, applied while staging it
+#define SWIGLU __SWIGLU__        // SwiGLU of a [gate | up] output: out = silu(gate) * up, N / 2 wide
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
 #define WARPS (TILES * KSPLIT)
@@ -378,9 +379,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KSPLIT;
     const int tile = blockIdx.x * TILES + warp / KSPLIT;
-    const bool active = tile * 16 < N;
     const int n_groups = K / G, n_steps = n_groups / SG;
+#if SWIGLU
+    // a tile's rows g and g + 8 are gate row n = 8 tile + g and its up row N / 2 + n: a lane holds both
+    const int n_half = N / 2;
+    const bool active = tile * 8 < n_half;
+    const int ra = min(tile * 8 + g, n_half - 1), rb = n_half + ra;  // rows past N / 2: not stored
+#else
+    const bool active = tile * 16 < N;
     const int ra = min(tile * 16 + g, N - 1), rb = min(tile * 16 + g + 8, N - 1);  // rows past N: not stored
+#endif
     const uint4* wa = (const uint4*)(w + (u64)ra * n_groups * WPG) + t;
     const uint4* wb = (const uint4*)(w + (u64)rb * n_groups * WPG) + t;
     const unsigned* sa = sm + (u64)ra * n_groups;
@@ -535,11 +543,21 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     if (!active) return;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
+#if SWIGLU
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // acc[nb][e]: gate, acc[nb][e + 2]: up; rounded as a gate_up output is
+            const int n = tile * 8 + g, tok = nb * 8 + 2 * t + e;
+            if (n < n_half && tok < M)
+                ((bf16_t*)out)[(u64)tok * n_half + n] = (bf16_t)to_bf(silu_mul(round_bf(acc[nb][e]),
+                                                                              round_bf(acc[nb][e + 2])));
+        }
+#else
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = tile * 16 + g + (e >> 1) * 8, tok = nb * 8 + 2 * t + (e & 1);
             if (n < N && tok < M) store_out(out, bias, tok, n, N, acc[nb][e]);
         }
+#endif
 }
 """
 
@@ -549,7 +567,7 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 # kernel name -> (source, its compile-time parameters in key order; M, the row count, is the third)
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
-    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7")),
+    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU")),
 }
 
 
@@ -645,7 +663,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -716,9 +734,11 @@ ROWS_PER_LAUNCH = 16  # the kernels' largest M: more rows run as slices of this 
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
-         blocks: dict[str, int] | None = None, kernel: str | None = None) -> torch.Tensor:
+         blocks: dict[str, int] | None = None, kernel: str | None = None, swiglu_output: bool = False) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
+    swiglu_output (tensor-core kernel, W = [gate | up], bf16 out, no bias): silu(gate) * up [.., N / 2],
+    rounded as the gate_up output, then the product, are rounded on the way (what silu_input computes).
     Up to 16 rows per launch; more rows run as 16-row slices into one output, so each row gets the
     same sums as in a one-row call. `kernel`: "gemv_mma" or "gemv_q" (default: what `usable` picks);
     `blocks`: that kernel's blocks."""
@@ -728,15 +748,20 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     assert x2.shape[1] == (2 * k if silu_input else k)
     kernel = kernel or usable(x2, w, bias, out_dtype)
     assert kernel, "no CUDA kernel takes this product (see usable)"
+    if swiglu_output:
+        assert kernel == "gemv_mma" and bias is None and out_dtype == torch.bfloat16 and n_out % 16 == 0
+        n_out //= 2
     out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
     for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):
-        _launch(kernel, x2[i:i + ROWS_PER_LAUNCH], w, bias, silu_input, out[i:i + ROWS_PER_LAUNCH], blocks)
+        _launch(kernel, x2[i:i + ROWS_PER_LAUNCH], w, bias, silu_input, out[i:i + ROWS_PER_LAUNCH], blocks,
+                swiglu_output)
     return out.view(*lead, n_out)
 
 
 def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-            out: torch.Tensor, blocks: dict[str, int] | None) -> None:
-    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (both row-contiguous)."""
+            out: torch.Tensor, blocks: dict[str, int] | None, swiglu_output: bool = False) -> None:
+    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with swiglu_output;
+    both row-contiguous)."""
     n_rows = x2.shape[0]
     n_out, k = w.shape
     flags = (silu_input, bias is not None, out.dtype == torch.float32)
@@ -749,7 +774,7 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
         seven_bits = w.bits == 8 and w.u_max < 128
         launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
-                          seven_bits))
+                          seven_bits, swiglu_output))
         n_tiles = -(-n_out // 16)
         grid = -(-n_tiles // cfg["TILES"])
         extra = [cg, row_bytes]

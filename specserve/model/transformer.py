@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.attention import attention
-from specserve.kernels.linear import linear
+from specserve.kernels.linear import feed_forward, linear
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import rope_and_cache, rope_cos_sin
 from specserve.model.config import ModelConfig
@@ -59,7 +59,7 @@ class Transformer:
             attn = attention(q, k_cache, v_cache, positions, seq_ids, runs, self.scale)
             x = linear(attn.view(n, cfg.q_size), lw.wo)
             h, residual = add_rms_norm(x, residual, lw.ffn_norm, cfg.rms_eps)
-            x = linear(linear(h, lw.w_gate_up), lw.w_down, silu_input=True)
+            x = feed_forward(h, lw.w_gate_up, lw.w_down)
         assert residual is not None, "a model has at least one layer"
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
