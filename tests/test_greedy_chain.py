@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from specserve.engine.generate import GenerationStats, generate
 from specserve.engine.runner import LocalRunner
@@ -75,3 +76,27 @@ def test_chained_consumer_stops_early(smollm_runner: LocalRunner) -> None:
     gen.close()
     assert got == ref[:4]
     assert smollm_runner.seq_len[0] == len(PROMPT) + 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+@pytest.mark.parametrize("weight_format", ["float", "q8"])
+def test_chained_graph_replays_match_step_by_step(weight_format: str) -> None:
+    """On the GPU the chain is one graph replay per step (argmax and feedback captured with it)."""
+    import dataclasses
+
+    from specserve.model.random_init import SHAPES, random_weights
+
+    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=128, n_heads=4, n_kv_heads=2,
+                              head_dim=64, ffn=96, vocab_size=300)
+    runner = LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=3),
+                                      n_ctx=256, weight_format=weight_format)
+    runner.warmup(2)
+    assert runner.graphs is not None
+    prompt = [(7 * i + 1) % cfg.vocab_size for i in range(9)]
+    for n in (2, 60):
+        tokens = {}
+        for step_by_step in (True, False):
+            tokens[step_by_step] = list(generate(runner, prompt, n, Sampler(SamplingParams(temperature=0)),
+                                                 speculator=NoDraft() if step_by_step else None))
+            assert runner.seq_len[0] == len(prompt) + n - 1
+        assert tokens[True] == tokens[False]
