@@ -243,6 +243,33 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
             assert torch.equal(feed_forward(x[:rows], w_gate_up, w_down), linear(gate_up, w_down, silu_input=True))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("fmt", ["k32min", "k16"])
+def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
+    """RMSNorm folded into the tensor-core kernel's input matches rms_norm then the product (to bf16
+    rounding of the normed values), and each row of a multi-row call is bit for bit a one-row call;
+    the product added to a residual stream in place is exactly the bf16 sum of the two."""
+    from specserve.kernels.linear import linear, linear_fused
+    from specserve.kernels.rmsnorm import rms_norm_ref
+
+    k, n = 1536, 272
+    w = random_quant(n, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
+    x = torch.randn(20, k, device=DEVICE).to(DTYPE) * 3
+    norm_w = (torch.rand(k, device=DEVICE) + 0.5).to(DTYPE)
+    residual = torch.randn(20, n, device=DEVICE).to(DTYPE)
+    singles = torch.cat([linear_fused(x[i:i + 1], w, norm=(norm_w, 1e-6)) for i in range(20)])
+    for rows in (1, 3, 16, 20):
+        got = linear_fused(x[:rows], w, norm=(norm_w, 1e-6))
+        ref = linear(rms_norm_ref(x[:rows], norm_w, 1e-6), w)
+        assert rel_err(got, ref) < TOL
+        assert torch.equal(got, singles[:rows])
+        stream = residual[:rows].clone()
+        assert linear_fused(x[:rows], w, add_to=stream).data_ptr() == stream.data_ptr()
+        assert torch.equal(stream, residual[:rows] + linear(x[:rows], w))
+    logits = linear_fused(x[:3], w, norm=(norm_w, 1e-6), out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and torch.equal(logits, singles[:3].float())
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""

@@ -172,18 +172,41 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
-    """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where the tensor-core kernel takes the
-    gate_up product, SwiGLU runs in its output (down then stages plain activations); elsewhere in
-    down's input. Both round gate, up, silu(gate) and the product to bf16 alike: the same values."""
+def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
+    """The tensor-core kernel takes x @ w^T (a decode or verify step over packed weights), and with
+    norm_input it can fold in the RMSNorm of x (K staged whole). Such products can also add into a
+    residual stream (`linear_fused`) and apply SwiGLU to their output (`feed_forward`)."""
     rows = x.numel() // x.shape[-1]
-    if isinstance(w_gate_up, QuantWeight) and rows <= MAX_SLICED_ROWS and triton_enabled(x) \
-            and w_gate_up.shape[0] % 16 == 0:
+    if not (isinstance(w, QuantWeight) and rows <= MAX_SLICED_ROWS and triton_enabled(x)):
+        return False
+    from specserve.kernels import linear_cuda
+
+    return linear_cuda.usable(x, w, None, x.dtype) == "gemv_mma" and (not norm_input or linear_cuda.norm_fusable(w))
+
+
+def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+                 norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """linear() on the tensor-core kernel (`fusable` says when) with the RMSNorm of x, norm = (weight,
+    eps), folded into its input and/or its result added to `add_to` in place (then returned). Same
+    roundings as rms_norm, then linear, then a bf16 addition."""
+    from specserve.kernels import linear_cuda
+
+    return linear_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to)
+
+
+def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tuple[torch.Tensor, float] | None = None,
+                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where both products are `fusable`,
+    SwiGLU runs in gate_up's output (down then stages plain activations), and norm / add_to fold in as
+    in linear_fused; elsewhere SwiGLU runs in down's input (norm and add_to are then not allowed).
+    Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values."""
+    if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
         from specserve.kernels import linear_cuda
 
-        if linear_cuda.usable(x, w_gate_up, None, x.dtype) == "gemv_mma":
-            act = linear_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True)
-            return linear(act, w_down)
+        act = linear_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
+        return linear_cuda.gemv(act, w_down, None, False, x.dtype, kernel="gemv_mma", add_to=add_to)
+    assert norm is None and add_to is None, "RMSNorm and the residual add fold in only on the tensor-core kernel"
     return linear(linear(x, w_gate_up), w_down, silu_input=True)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -67,13 +68,17 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
     float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
     return round_bf(act * up);
 }
-// y (+ bias) rounded to bf16, stored as bf16 or as fp32 (logits)
+// y (+ bias) rounded to bf16, stored as bf16 or as fp32 (logits), or added to the bf16 out (a residual
+// stream: rounded as a bf16 tensor addition rounds)
 __device__ __forceinline__ void store_out(void* out, const bf16_t* bias, int row, int n, int N, float y) {
 #if BIAS
     y += lo_bf(bias[n]);
 #endif
 #if OUT_F32
     ((float*)out)[(u64)row * N + n] = round_bf(y);
+#elif ACCUM
+    bf16_t* p = (bf16_t*)out + (u64)row * N + n;
+    *p = (bf16_t)to_bf(round_bf(y) + lo_bf(*p));
 #else
     ((bf16_t*)out)[(u64)row * N + n] = (bf16_t)to_bf(y);
 #endif
@@ -90,6 +95,7 @@ SOURCE = r"""
 #define SILU __SILU__
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
+#define ACCUM 0
 #define PER (32 / BITS)
 #define G (PER * WPG)
 #define GS (G + 4)  // floats per staged group: 16 bytes of padding keep lanes on distinct banks
@@ -295,6 +301,8 @@ MMA_SOURCE = r"""
 #define U7 __U7__                // 8-bit fields all below 128
 #define SILU __SILU__            // SwiGLU of a [gate | up] input, applied while staging it
 #define SWIGLU __SWIGLU__        // SwiGLU of a [gate | up] output: out = silu(gate) * up, N / 2 wide
+#define NORM __NORM__            // RMSNorm of the input rows (weights norm_w), applied while staging them
+#define ACCUM __ACCUM__          // out += the product (bf16, in place: a residual stream)
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
 #define WARPS (TILES * KSPLIT)
@@ -370,7 +378,8 @@ __device__ __forceinline__ int staged_pos(int k) {
 // at a time, permuted so each lane reads its B fragment in one load; their per-group sums beside.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
-    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes)
+    const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes,
+    const bf16_t* __restrict__ norm_w, int eps_bits)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]
@@ -399,6 +408,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+#if NORM
+    // 1 / rms of each input row, a warp per row (K is staged in one chunk: the host checks)
+    __shared__ float rstd[16];
+    for (int m = warp; m < M; m += WARPS) {
+        const bf16_t* row = x + (u64)m * stride_x;
+        float ss = 0.0f;
+        for (int k = lane * 8; k < K; k += 256) {
+            const uint4 a = *(const uint4*)(row + k);
+            const unsigned pa[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int h = 0; h < 4; ++h) ss += lo_bf(pa[h]) * lo_bf(pa[h]) + hi_bf(pa[h]) * hi_bf(pa[h]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (lane == 0) rstd[m] = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
+    }
+    // the chunk loop's first __syncthreads publishes rstd before staging reads it
+#endif
     uint4 wva[D], wvb[D];
     unsigned sva[D][SG], svb[D][SG];
 #define LOAD(d, st)                                   \
@@ -455,6 +482,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #else
 #pragma unroll
                     for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+#if NORM
+                    // x * rstd * weight rounded to bf16, the RMSNorm kernel's order
+                    const uint4 nw = __ldg((const uint4*)(norm_w + c0 * G + kk));
+                    const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
+                    const float r = rstd[m];
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) {
+                        v[2 * h] = round_bf(v[2 * h] * r * lo_bf(pw[h]));
+                        v[2 * h + 1] = round_bf(v[2 * h + 1] * r * hi_bf(pw[h]));
+                    }
+#endif
 #endif
                     bf16_t* dst = xs + m * (row_bytes / 2) + (kk / G) * G;
 #pragma unroll
@@ -567,7 +605,8 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 # kernel name -> (source, its compile-time parameters in key order; M, the row count, is the third)
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
-    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU")),
+    "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU",
+                              "NORM", "ACCUM")),
 }
 
 
@@ -663,7 +702,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False, False, False)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -734,34 +773,53 @@ ROWS_PER_LAUNCH = 16  # the kernels' largest M: more rows run as slices of this 
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
-         blocks: dict[str, int] | None = None, kernel: str | None = None, swiglu_output: bool = False) -> torch.Tensor:
+         blocks: dict[str, int] | None = None, kernel: str | None = None, *, swiglu_output: bool = False,
+         norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
-    swiglu_output (tensor-core kernel, W = [gate | up], bf16 out, no bias): silu(gate) * up [.., N / 2],
-    rounded as the gate_up output, then the product, are rounded on the way (what silu_input computes).
     Up to 16 rows per launch; more rows run as 16-row slices into one output, so each row gets the
     same sums as in a one-row call. `kernel`: "gemv_mma" or "gemv_q" (default: what `usable` picks);
-    `blocks`: that kernel's blocks."""
+    `blocks`: that kernel's blocks. The tensor-core kernel also folds in (bf16 in and out):
+    swiglu_output: W = [gate | up] -> silu(gate) * up [.., N / 2], each rounded as silu_input rounds;
+    norm (weight, eps): RMSNorm of the input rows first, when `norm_fusable` (rounded as rms_norm);
+    add_to: a contiguous [.., N] tensor that the product is added to in place (a residual stream),
+    which is returned."""
     lead = x.shape[:-1]
     x2 = _flat_rows(x)
     n_out, k = w.shape
     assert x2.shape[1] == (2 * k if silu_input else k)
     kernel = kernel or usable(x2, w, bias, out_dtype)
     assert kernel, "no CUDA kernel takes this product (see usable)"
+    assert not (swiglu_output or norm is not None or add_to is not None) or (kernel == "gemv_mma" and not silu_input)
+    assert not (swiglu_output or add_to is not None) or out_dtype == torch.bfloat16
     if swiglu_output:
-        assert kernel == "gemv_mma" and bias is None and out_dtype == torch.bfloat16 and n_out % 16 == 0
+        assert bias is None and add_to is None and n_out % 16 == 0
         n_out //= 2
-    out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
+    assert norm is None or (norm_fusable(w) and norm[0].dtype == torch.bfloat16)
+    if add_to is not None:
+        assert add_to.is_contiguous() and add_to.dtype == torch.bfloat16 and add_to.numel() == x2.shape[0] * n_out
+        out = add_to.view(x2.shape[0], n_out)
+    else:
+        out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
+    flags = (swiglu_output, norm is not None, add_to is not None)
     for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):
         _launch(kernel, x2[i:i + ROWS_PER_LAUNCH], w, bias, silu_input, out[i:i + ROWS_PER_LAUNCH], blocks,
-                swiglu_output)
+                flags, norm)
     return out.view(*lead, n_out)
 
 
+def norm_fusable(w: QuantWeight) -> bool:
+    """The tensor-core kernel stages all of K at once for 16 rows (RMSNorm needs whole rows)."""
+    cfg = pick_mma_blocks(*w.shape)
+    cg, _ = mma_chunk(ROWS_PER_LAUNCH, w.shape[1], w.group, cfg["D"] * cfg["KSPLIT"] * 512 // (w.group * w.bits))
+    return cg * w.group >= w.shape[1]
+
+
 def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-            out: torch.Tensor, blocks: dict[str, int] | None, swiglu_output: bool = False) -> None:
-    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with swiglu_output;
-    both row-contiguous)."""
+            out: torch.Tensor, blocks: dict[str, int] | None, fused: tuple[bool, bool, bool] = (False, False, False),
+            norm: tuple[torch.Tensor, float] | None = None) -> None:
+    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with SwiGLU; both
+    row-contiguous). fused: the tensor-core kernel's (SwiGLU output, RMSNorm input, add to out)."""
     n_rows = x2.shape[0]
     n_out, k = w.shape
     flags = (silu_input, bias is not None, out.dtype == torch.float32)
@@ -774,10 +832,12 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
         seven_bits = w.bits == 8 and w.u_max < 128
         launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
-                          seven_bits, swiglu_output))
+                          seven_bits, *fused))
         n_tiles = -(-n_out // 16)
         grid = -(-n_tiles // cfg["TILES"])
-        extra = [cg, row_bytes]
+        norm_w, eps = norm if norm is not None else (x2, 0.0)
+        eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
+        extra = [cg, row_bytes, norm_w, eps_bits]
         limit = MMA_SMEM_BYTES
     else:
         cfg = blocks or pick_cuda_blocks(k)
