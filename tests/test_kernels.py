@@ -270,6 +270,48 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
     assert logits.dtype == torch.float32 and torch.equal(logits, singles[:3].float())
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(4, 2, 64), (12, 2, 128)])
+def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n_kv: int, head_dim: int) -> None:
+    """RoPE and the KV-cache write in the QKV product's epilogue vs the product then rope_and_cache;
+    each row of a multi-row call bit for bit a one-row call."""
+    from specserve.kernels.linear import linear_fused
+    from specserve.kernels.linear_cuda import RopeWrite
+    from specserve.kernels.rope import rope_and_cache, rope_cos_sin
+
+    k, ctx, n_seqs = 512, 64, 3
+    n_out = (n_heads + 2 * n_kv) * head_dim
+    w = random_quant(n_out, k, 32, True)
+    bias = torch.randn(n_out, device=DEVICE).to(DTYPE)
+    norm = ((torch.rand(k, device=DEVICE) + 0.5).to(DTYPE), 1e-6)
+    cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
+    x = torch.randn(20, k, device=DEVICE).to(DTYPE)
+    positions = torch.randperm(ctx, device=DEVICE)[:20]
+    seq_ids = torch.randint(0, n_seqs, (20,), device=DEVICE)
+
+    def fused(rows: slice, caches: torch.Tensor) -> torch.Tensor:
+        rope = RopeWrite(cos, sin, positions[rows], seq_ids[rows], caches[0], caches[1], n_heads, n_kv, style)
+        return linear_fused(x[rows], w, bias, norm=norm, rope=rope)
+
+    singles_kv = torch.zeros(2, n_seqs, n_kv, ctx, head_dim, device=DEVICE, dtype=DTYPE)
+    singles = torch.cat([fused(slice(i, i + 1), singles_kv) for i in range(20)])
+    for rows in (1, 5, 16, 20):
+        caches = torch.zeros_like(singles_kv)
+        got = fused(slice(0, rows), caches)
+        assert torch.equal(got, singles[:rows])
+        qkv = linear_fused(x[:rows], w, bias, norm=norm)
+        q, kk, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+        ref_caches = torch.zeros_like(caches)
+        ref_q = rope_and_cache(q.view(rows, n_heads, head_dim), kk.view(rows, n_kv, head_dim),
+                               v.reshape(rows, n_kv, head_dim), cos, sin, positions[:rows], seq_ids[:rows],
+                               ref_caches[0], ref_caches[1], style)
+        assert rel_err(got, ref_q.view(rows, -1)) < TOL
+        assert rel_err(caches[0], ref_caches[0]) < TOL
+        assert torch.equal(caches[1], ref_caches[1])  # v: copied, not rotated
+    assert torch.equal(caches, singles_kv)
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""

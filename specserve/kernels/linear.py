@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 from specserve.errors import SpecserveError
 from specserve.kernels.activation import silu_mul, silu_mul_ref
 from specserve.kernels.dispatch import triton_enabled
+
+if TYPE_CHECKING:
+    from specserve.kernels.linear_cuda import RopeWrite
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
@@ -186,13 +190,15 @@ def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
 
 def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
                  norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 rope: RopeWrite | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """linear() on the tensor-core kernel (`fusable` says when) with the RMSNorm of x, norm = (weight,
-    eps), folded into its input and/or its result added to `add_to` in place (then returned). Same
-    roundings as rms_norm, then linear, then a bf16 addition."""
+    eps), folded into its input, and its result added to `add_to` in place (then returned), or, for a
+    [q | k | v] matrix, rotated (RoPE) with k and v written to the KV cache and q returned. Same
+    roundings as rms_norm, linear, a bf16 addition, rope_and_cache."""
     from specserve.kernels import linear_cuda
 
-    return linear_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to)
+    return linear_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to,
+                            rope=rope)
 
 
 def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tuple[torch.Tensor, float] | None = None,

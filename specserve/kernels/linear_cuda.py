@@ -32,10 +32,12 @@ kernels (linear_triton.py) run instead. SPECSERVE_QUANT_KERNEL=core|triton picks
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -303,6 +305,8 @@ MMA_SOURCE = r"""
 #define SWIGLU __SWIGLU__        // SwiGLU of a [gate | up] output: out = silu(gate) * up, N / 2 wide
 #define NORM __NORM__            // RMSNorm of the input rows (weights norm_w), applied while staging them
 #define ACCUM __ACCUM__          // out += the product (bf16, in place: a residual stream)
+#define ROPE __ROPE__            // W = [q | k | v] heads of ROPE_HD: RoPE (1 neox, 2 interleaved), q to out, k and
+#define ROPE_HD __ROPE_HD__      // v into the KV cache
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
 #define WARPS (TILES * KSPLIT)
@@ -379,7 +383,9 @@ __device__ __forceinline__ int staged_pos(int k) {
 extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
     const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes,
-    const bf16_t* __restrict__ norm_w, int eps_bits)
+    const bf16_t* __restrict__ norm_w, int eps_bits, const long long* __restrict__ pos,
+    const long long* __restrict__ seq, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_seq, int c_head)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]
@@ -394,6 +400,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     const int n_half = N / 2;
     const bool active = tile * 8 < n_half;
     const int ra = min(tile * 8 + g, n_half - 1), rb = n_half + ra;  // rows past N / 2: not stored
+#elif ROPE
+    // a tile holds 8 rotation pairs of one head: rows g and g + 8 are dims i and its partner (neox:
+    // i + ROPE_HD / 2, interleaved: i + 1) of pair i = 8 (tile % tiles per head) + g, so a lane rotates them
+    const bool active = tile * 16 < N;
+    const int head = tile / (ROPE_HD / 16), pair = (tile % (ROPE_HD / 16)) * 8 + g;
+    const int ra = head * ROPE_HD + (ROPE == 1 ? pair : 2 * pair), rb = ra + (ROPE == 1 ? ROPE_HD / 2 : 1);
 #else
     const bool active = tile * 16 < N;
     const int ra = min(tile * 16 + g, N - 1), rb = min(tile * 16 + g + 8, N - 1);  // rows past N: not stored
@@ -408,8 +420,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+    uint4 wva[D], wvb[D];
+    unsigned sva[D][SG], svb[D][SG];
+#define LOAD(d, st)                                   \
+    if (active && (st) < n_steps) {                   \
+        wva[d] = __ldg(wa + (u64)(st) * 4);           \
+        wvb[d] = __ldg(wb + (u64)(st) * 4);           \
+        load_sm(sa + (st) * SG, sva[d]);              \
+        load_sm(sb + (st) * SG, svb[d]);              \
+    }
+    // the warp's q-th step is q * KSPLIT + kw; slot d holds the steps q = d (mod D); CG is a
+    // multiple of D * KSPLIT * SG groups, so a chunk starts on slot 0
+#pragma unroll
+    for (int d = 0; d < D; ++d) LOAD(d, d * KSPLIT + kw)
 #if NORM
-    // 1 / rms of each input row, a warp per row (K is staged in one chunk: the host checks)
+    // 1 / rms of each input row, a warp per row (K is staged in one chunk: the host checks), while the
+    // first weights are in flight
     __shared__ float rstd[16];
     for (int m = warp; m < M; m += WARPS) {
         const bf16_t* row = x + (u64)m * stride_x;
@@ -426,19 +452,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     }
     // the chunk loop's first __syncthreads publishes rstd before staging reads it
 #endif
-    uint4 wva[D], wvb[D];
-    unsigned sva[D][SG], svb[D][SG];
-#define LOAD(d, st)                                   \
-    if (active && (st) < n_steps) {                   \
-        wva[d] = __ldg(wa + (u64)(st) * 4);           \
-        wvb[d] = __ldg(wb + (u64)(st) * 4);           \
-        load_sm(sa + (st) * SG, sva[d]);              \
-        load_sm(sb + (st) * SG, svb[d]);              \
-    }
-    // the warp's q-th step is q * KSPLIT + kw; slot d holds the steps q = d (mod D); CG is a
-    // multiple of D * KSPLIT * SG groups, so a chunk starts on slot 0
-#pragma unroll
-    for (int d = 0; d < D; ++d) LOAD(d, d * KSPLIT + kw)
 
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
@@ -589,6 +602,33 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
                 ((bf16_t*)out)[(u64)tok * n_half + n] = (bf16_t)to_bf(silu_mul(round_bf(acc[nb][e]),
                                                                               round_bf(acc[nb][e + 2])));
         }
+#elif ROPE
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // acc[nb][e]: dim ra, acc[nb][e + 2]: dim rb, of token tok
+            const int tok = nb * 8 + 2 * t + e;
+            if (tok >= M) continue;
+#if BIAS
+            const float x1 = round_bf(acc[nb][e] + lo_bf(bias[ra])), x2 = round_bf(acc[nb][e + 2] + lo_bf(bias[rb]));
+#else
+            const float x1 = round_bf(acc[nb][e]), x2 = round_bf(acc[nb][e + 2]);
+#endif
+            const int d1 = ra - head * ROPE_HD, d2 = rb - head * ROPE_HD;
+            const long long p = pos[tok];
+            const float c = cos_t[p * (ROPE_HD / 2) + pair], s = sin_t[p * (ROPE_HD / 2) + pair];
+            const float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+            if (head < n_q_heads) {
+                bf16_t* q = (bf16_t*)out + (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD;
+                q[d1] = (bf16_t)to_bf(r1);
+                q[d2] = (bf16_t)to_bf(r2);
+            } else {
+                const int kvh = head - n_q_heads;
+                const bool is_k = kvh < n_kv_heads;
+                bf16_t* dst = (is_k ? k_cache : v_cache) + (u64)seq[tok] * c_seq
+                              + (u64)(is_k ? kvh : kvh - n_kv_heads) * c_head + (u64)p * ROPE_HD;
+                dst[d1] = (bf16_t)to_bf(is_k ? r1 : x1);
+                dst[d2] = (bf16_t)to_bf(is_k ? r2 : x2);
+            }
+        }
 #else
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -606,7 +646,7 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
     "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU",
-                              "NORM", "ACCUM")),
+                              "NORM", "ACCUM", "ROPE", "ROPE_HD")),
 }
 
 
@@ -702,7 +742,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False, False, False)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False, False, False, 0, 0)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -772,9 +812,37 @@ def mma_chunk(n_rows: int, k: int, group: int, step: int) -> tuple[int, int]:
 ROWS_PER_LAUNCH = 16  # the kernels' largest M: more rows run as slices of this many
 
 
+@dataclass
+class RopeWrite:
+    """RoPE and the KV-cache write folded into a [q | k | v] product's epilogue (see gemv)."""
+
+    cos: torch.Tensor  # fp32 [max positions, head_dim / 2] (rope_cos_sin, rotating the whole head)
+    sin: torch.Tensor
+    positions: torch.Tensor  # long [rows]
+    seq_ids: torch.Tensor  # long [rows]
+    k_cache: torch.Tensor  # one layer's [n_seqs, n_kv_heads, ctx, head_dim]
+    v_cache: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    style: str  # "neox" or "interleaved"
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[-1]
+
+    def rows(self, start: int, end: int) -> RopeWrite:
+        return dataclasses.replace(self, positions=self.positions[start:end], seq_ids=self.seq_ids[start:end])
+
+    def args(self) -> list:
+        c = self.k_cache
+        return [self.positions, self.seq_ids, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
+                c.stride(0), c.stride(1)]
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,
          blocks: dict[str, int] | None = None, kernel: str | None = None, *, swiglu_output: bool = False,
-         norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
+         norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
+         rope: RopeWrite | None = None) -> torch.Tensor:
     """x [.., K] (or [.., 2K] gate|up when silu_input) times W [N, K]^T -> [.., N] in out_dtype.
 
     Up to 16 rows per launch; more rows run as 16-row slices into one output, so each row gets the
@@ -783,15 +851,22 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     swiglu_output: W = [gate | up] -> silu(gate) * up [.., N / 2], each rounded as silu_input rounds;
     norm (weight, eps): RMSNorm of the input rows first, when `norm_fusable` (rounded as rms_norm);
     add_to: a contiguous [.., N] tensor that the product is added to in place (a residual stream),
-    which is returned."""
+    which is returned; rope: W = [q | k | v] heads: returns q rotated [.., n_heads * head_dim], k (rotated)
+    and v go into the KV cache at the rows' (sequence, position), rounded as rope_and_cache rounds."""
     lead = x.shape[:-1]
     x2 = _flat_rows(x)
     n_out, k = w.shape
     assert x2.shape[1] == (2 * k if silu_input else k)
     kernel = kernel or usable(x2, w, bias, out_dtype)
     assert kernel, "no CUDA kernel takes this product (see usable)"
-    assert not (swiglu_output or norm is not None or add_to is not None) or (kernel == "gemv_mma" and not silu_input)
-    assert not (swiglu_output or add_to is not None) or out_dtype == torch.bfloat16
+    fused = (swiglu_output, norm is not None, add_to is not None, rope is not None)
+    assert not any(fused) or (kernel == "gemv_mma" and not silu_input)
+    assert not (swiglu_output or add_to is not None or rope is not None) or out_dtype == torch.bfloat16
+    if rope is not None:
+        assert not swiglu_output and add_to is None and n_out == (rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim
+        assert rope.head_dim % 16 == 0 and 2 * rope.cos.shape[-1] == rope.head_dim and rope.k_cache.stride(2) == \
+            rope.head_dim and rope.k_cache.stride(3) == 1 and rope.k_cache.stride() == rope.v_cache.stride()
+        n_out = rope.n_heads * rope.head_dim
     if swiglu_output:
         assert bias is None and add_to is None and n_out % 16 == 0
         n_out //= 2
@@ -801,10 +876,10 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
         out = add_to.view(x2.shape[0], n_out)
     else:
         out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
-    flags = (swiglu_output, norm is not None, add_to is not None)
     for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):
-        _launch(kernel, x2[i:i + ROWS_PER_LAUNCH], w, bias, silu_input, out[i:i + ROWS_PER_LAUNCH], blocks,
-                flags, norm)
+        end = i + ROWS_PER_LAUNCH
+        _launch(kernel, x2[i:end], w, bias, silu_input, out[i:end], blocks, fused, norm,
+                rope.rows(i, end) if rope is not None else None)
     return out.view(*lead, n_out)
 
 
@@ -816,10 +891,11 @@ def norm_fusable(w: QuantWeight) -> bool:
 
 
 def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-            out: torch.Tensor, blocks: dict[str, int] | None, fused: tuple[bool, bool, bool] = (False, False, False),
-            norm: tuple[torch.Tensor, float] | None = None) -> None:
-    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with SwiGLU; both
-    row-contiguous). fused: the tensor-core kernel's (SwiGLU output, RMSNorm input, add to out)."""
+            out: torch.Tensor, blocks: dict[str, int] | None, fused: tuple[bool, ...] = (False, False, False, False),
+            norm: tuple[torch.Tensor, float] | None = None, rope: RopeWrite | None = None) -> None:
+    """One launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with SwiGLU, q's width with
+    RoPE; both row-contiguous). fused: the tensor-core kernel's (SwiGLU output, RMSNorm input, add to out,
+    RoPE and KV write)."""
     n_rows = x2.shape[0]
     n_out, k = w.shape
     flags = (silu_input, bias is not None, out.dtype == torch.float32)
@@ -831,13 +907,15 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
         smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
         seven_bits = w.bits == 8 and w.u_max < 128
+        rope_flags = ({"neox": 1, "interleaved": 2}[rope.style], rope.head_dim) if rope is not None else (0, 0)
         launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
-                          seven_bits, *fused))
+                          seven_bits, *fused[:3], *rope_flags))
         n_tiles = -(-n_out // 16)
         grid = -(-n_tiles // cfg["TILES"])
         norm_w, eps = norm if norm is not None else (x2, 0.0)
         eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
-        extra = [cg, row_bytes, norm_w, eps_bits]
+        no_rope = [x2, x2, x2, x2, x2, x2, 0, 0, 0, 0]
+        extra = [cg, row_bytes, norm_w, eps_bits, *(rope.args() if rope is not None else no_rope)]
         limit = MMA_SMEM_BYTES
     else:
         cfg = blocks or pick_cuda_blocks(k)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from specserve.kernels.attention import attention
 from specserve.kernels.linear import QuantWeight, feed_forward, fusable, linear, linear_fused
+from specserve.kernels.linear_cuda import RopeWrite
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import rope_and_cache, rope_cos_sin
 from specserve.model.config import ModelConfig
@@ -63,15 +64,21 @@ class Transformer:
     def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                        logit_rows: torch.Tensor | None, runs: list[tuple[int, int, int, int]],
                        kv: torch.Tensor) -> torch.Tensor:
-        """forward() with each RMSNorm folded into the product after it and each sub-layer's output
-        added to the residual stream by the product that makes it (in place): no norm kernels."""
+        """forward() with each RMSNorm folded into the product after it, RoPE and the KV-cache write into
+        the QKV product, and each sub-layer's output added to the residual stream by the product that
+        makes it (in place): no norm or RoPE kernels."""
         cfg = self.config
         w = self.weights
+        n = residual.shape[0]
         for layer_idx, lw in enumerate(w.layers):
             assert isinstance(lw.wqkv, QuantWeight) and isinstance(lw.wo, QuantWeight)
-            qkv = linear_fused(residual, lw.wqkv, lw.bqkv, norm=(lw.attn_norm, cfg.rms_eps))
-            attn = self._attention(qkv, layer_idx, positions, seq_ids, runs, kv)
-            linear_fused(attn, lw.wo, add_to=residual)
+            k_cache, v_cache = kv[layer_idx, 0], kv[layer_idx, 1]
+            rope = RopeWrite(self.cos, self.sin, positions, seq_ids, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads,
+                             cfg.rope_style)
+            q = linear_fused(residual, lw.wqkv, lw.bqkv, norm=(lw.attn_norm, cfg.rms_eps), rope=rope)
+            attn = attention(q.view(n, cfg.n_heads, cfg.head_dim), k_cache, v_cache, positions, seq_ids, runs,
+                             self.scale)
+            linear_fused(attn.view(n, cfg.q_size), lw.wo, add_to=residual)
             feed_forward(residual, lw.w_gate_up, lw.w_down, norm=(lw.ffn_norm, cfg.rms_eps), add_to=residual)
         if logit_rows is not None:
             residual = residual[logit_rows]
@@ -81,11 +88,14 @@ class Transformer:
         return linear(rms_norm(residual, w.out_norm, cfg.rms_eps), w.output, out_dtype=torch.float32)
 
     def _fusable(self, x: torch.Tensor) -> bool:
-        """Whether every layer's products run on the tensor-core kernel with RMSNorm and the residual adds
-        folded in (decode and verify steps over packed weights); fixed per row count."""
+        """Whether every layer's products run on the tensor-core kernel with RMSNorm, RoPE and the residual
+        adds folded in (decode and verify steps over packed weights); fixed per row count."""
         rows = x.shape[0]
+        cfg = self.config
         if rows not in self._fusion:
-            self._fusion[rows] = all(
+            rope_ok = (cfg.rope_dim == cfg.head_dim and cfg.head_dim % 16 == 0 and not cfg.qk_norm
+                       and cfg.rope_style in ("neox", "interleaved"))
+            self._fusion[rows] = rope_ok and all(
                 fusable(x, lw.wqkv, norm_input=True) and fusable(x, lw.wo) and fusable(x, lw.w_gate_up, norm_input=True)
                 and fusable(x, lw.w_down) and lw.w_gate_up.shape[0] % 16 == 0
                 and all(t.dtype == torch.bfloat16 for t in (lw.attn_norm, lw.ffn_norm, self.weights.out_norm))
