@@ -1,6 +1,6 @@
 """Decode-path speed on CUDA, per kernel and per model, for bf16 and GGUF-quantized weights.
 
-    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill]
+    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill,fused]
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
@@ -11,6 +11,8 @@ profile:  per-kernel GPU time of one decode step (torch.profiler over graph repl
 matrices: each projection alone (cuBLAS bf16, Triton bf16, and the quantized kernels over a
           sweep of blocks), weights rotated through more than the L2 so each call reads from HBM.
 prefill:  pp512 with one-row products on cuBLAS vs Triton, and the top kernels of a 512-row forward.
+fused:    each product of the fused decode path (RMSNorm, RoPE + KV write, SwiGLU, residual add folded
+          into the tensor-core kernel) over a sweep of its blocks.
 Random weights in qwen2.5-coder-1.5b's shapes. Prints tables; writes JSON and text to --out.
 """
 
@@ -36,6 +38,7 @@ from specserve.engine.runner import LocalRunner  # noqa: E402
 from specserve.kernels import linear_cuda, linear_triton  # noqa: E402
 from specserve.kernels.activation import silu_mul  # noqa: E402
 from specserve.kernels.linear import QuantWeight  # noqa: E402
+from specserve.kernels.rope import rope_cos_sin  # noqa: E402
 from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
 from specserve.model.weights import ModelWeights  # noqa: E402
 
@@ -380,6 +383,73 @@ def section_matrices() -> None:
     RESULTS["matrices"] = rows_out
 
 
+# The fused path's products (decode / verify over packed weights): what each folds in.
+FUSED = {"wqkv": "norm+rope", "wqkv_mixed": "norm+rope", "wo": "add", "gate_up": "norm+swiglu", "down_q4k": "add",
+         "down_q6k": "add", "output": "norm+logits"}
+FUSED_SWEEP = [(1, 16, 2), (1, 8, 2), (1, 8, 3), (1, 4, 2), (1, 4, 3), (1, 4, 4), (2, 4, 2), (2, 2, 2), (2, 2, 3),
+               (4, 2, 2), (8, 2, 1), (4, 1, 2), (2, 1, 3), (1, 2, 3), (1, 12, 2)]
+
+
+def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, int] | None], object]:
+    """One product of the fused path as the model runs it (norm weights, residual, KV caches of qwen2.5-coder-1.5b)."""
+    what = FUSED[name]
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    norm = ((torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16), 1e-6) if "norm" in what else None
+    rope = None
+    if "rope" in what:
+        cos, sin = rope_cos_sin(CFG.head_dim, CFG.rope_base, 1024, device=DEV)
+        caches = torch.zeros(2, 2, CFG.n_kv_heads, 1024, CFG.head_dim, device=DEV, dtype=torch.bfloat16)
+        pos = torch.arange(600, 600 + m, device=DEV)
+        rope = linear_cuda.RopeWrite(cos, sin, pos, torch.zeros_like(pos), caches[0], caches[1], CFG.n_heads,
+                                     CFG.n_kv_heads, CFG.rope_style)
+    n_out = qs.items[0].shape[0]
+    residual = torch.zeros(m, n_out, device=DEV, dtype=torch.bfloat16) if what == "add" else None
+    out_dtype = torch.float32 if "logits" in what else torch.bfloat16
+
+    def call(blocks: dict[str, int] | None = None) -> object:
+        return linear_cuda.gemv(x, qs(), None, False, out_dtype, blocks, kernel="gemv_mma",
+                                swiglu_output="swiglu" in what, norm=norm, add_to=residual, rope=rope)
+    return call
+
+
+def prebuild_calls(calls: list[Callable[[], object]]) -> None:
+    """Builds the variants these calls launch, all at once (the calls run with a stand-in launcher)."""
+    keys: list[tuple] = []
+    real = linear_cuda._kernel
+    linear_cuda._kernel = lambda key: (keys.append(key), lambda **kw: None)[1]
+    try:
+        for c in calls:
+            c()
+    finally:
+        linear_cuda._kernel = real
+    linear_cuda.prebuild(sorted(set(keys)))
+
+
+def section_fused() -> None:
+    """The fused path's products alone (RMSNorm, RoPE + KV write, SwiGLU, residual add folded in) over
+    a sweep of the tensor-core kernel's blocks, one and eight rows."""
+    rows_out = []
+    for name, (n, k, _silu, bits, group) in MATRICES.items():
+        qs = Rotation(quant_copies(n, k, bits, group))
+        calls = {m: fused_call(name, m, qs, k) for m in (1, 8)}
+        cfgs = [None] + [{"TILES": t, "KSPLIT": ks, "D": d} for t, ks, d in FUSED_SWEEP]
+        t0 = time.perf_counter()
+        prebuild_calls([lambda c=c, b=b: c(b) for c in calls.values() for b in cfgs])
+        built_s = time.perf_counter() - t0
+        for m, call in calls.items():
+            r: dict[str, object] = {"matrix": name, "fused": FUSED[name], "rows": m, "MB": round(qs.items[0].n_bytes()
+                                                                                                   / 1e6, 2),
+                                    "built_s": round(built_s, 1), "default_blocks": linear_cuda.pick_mma_blocks(n, k)}
+            for b in cfgs:
+                label = "default" if b is None else f"t{b['TILES']}k{b['KSPLIT']}d{b['D']}"
+                r[label] = timed(lambda b=b, c=call: c(b), 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
+            rows_out.append(r)
+            print(json.dumps(r), flush=True)
+        del qs
+        torch.cuda.empty_cache()
+    RESULTS["fused"] = rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -397,7 +467,7 @@ def main() -> None:
                 section_profile(out_dir)
             else:
                 {"model": section_model, "logits": section_logits, "matrices": section_matrices,
-                 "prefill": section_prefill}[sec]()
+                 "prefill": section_prefill, "fused": section_fused}[sec]()
         except Exception:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]
