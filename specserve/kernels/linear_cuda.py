@@ -390,6 +390,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]
     float* xsum = (float*)(smem + M * row_bytes);      // [CG][16]
+#if NORM
+    float* xsq = xsum + CG * 16;                       // [CG][16]: sums of squares of the raw inputs
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KSPLIT;
@@ -433,25 +436,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     // multiple of D * KSPLIT * SG groups, so a chunk starts on slot 0
 #pragma unroll
     for (int d = 0; d < D; ++d) LOAD(d, d * KSPLIT + kw)
-#if NORM
-    // 1 / rms of each input row, a warp per row (K is staged in one chunk: the host checks), while the
-    // first weights are in flight
-    __shared__ float rstd[16];
-    for (int m = warp; m < M; m += WARPS) {
-        const bf16_t* row = x + (u64)m * stride_x;
-        float ss = 0.0f;
-        for (int k = lane * 8; k < K; k += 256) {
-            const uint4 a = *(const uint4*)(row + k);
-            const unsigned pa[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-            for (int h = 0; h < 4; ++h) ss += lo_bf(pa[h]) * lo_bf(pa[h]) + hi_bf(pa[h]) * hi_bf(pa[h]);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        if (lane == 0) rstd[m] = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
-    }
-    // the chunk loop's first __syncthreads publishes rstd before staging reads it
-#endif
 
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
@@ -481,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
                 const int u = base + j * 32 * WARPS + threadIdx.x;
                 const bool ok = u < units;
                 const int m = ok ? u / (cg * (G / 8)) : 0, kk = ok ? (u % (cg * (G / 8))) * 8 : 0;
-                float part = 0.0f;
+                float part = 0.0f, sq = 0.0f;
                 if (ok) {
                     const unsigned pa[4] = {ga[j].x, ga[j].y, ga[j].z, ga[j].w};
                     float v[8];
@@ -496,14 +480,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #pragma unroll
                     for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
 #if NORM
-                    // x * rstd * weight rounded to bf16, the RMSNorm kernel's order
+                    // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's sums
+                    // at the end, from per-group sums of squares: no pass over x before staging
                     const uint4 nw = __ldg((const uint4*)(norm_w + c0 * G + kk));
                     const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
-                    const float r = rstd[m];
 #pragma unroll
                     for (int h = 0; h < 4; ++h) {
-                        v[2 * h] = round_bf(v[2 * h] * r * lo_bf(pw[h]));
-                        v[2 * h + 1] = round_bf(v[2 * h + 1] * r * hi_bf(pw[h]));
+                        sq += v[2 * h] * v[2 * h] + v[2 * h + 1] * v[2 * h + 1];
+                        v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
+                        v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
                     }
 #endif
 #endif
@@ -517,6 +502,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #pragma unroll
                 for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
                 if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+#if NORM
+#pragma unroll
+                for (int off = 1; off < G / 8; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+                if (ok && kk % G == 0) xsq[(kk / G) * 16 + m] = sq;
+#endif
             }
         }
         __syncthreads();
@@ -573,6 +563,20 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
             }
         }
     }
+#if NORM
+    // 1 / rms of this lane's activation rows (tokens 2t, 2t + 1 of each block of 8), the group sums of
+    // squares added in group order: the same for any row count
+    float rstd[NB][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = min(nb * 8 + 2 * t + e, M - 1);
+            float ss = 0.0f;
+            for (int q = 0; q < n_groups; ++q) ss += xsq[q * 16 + tok];
+            rstd[nb][e] = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
+        }
+#endif
 #if KSPLIT > 1
     __syncthreads();  // the staged activations are no longer read: their space takes the partial sums
     float* red = (float*)smem;  // [WARPS][32][NB * 4]
@@ -592,6 +596,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
         }
 #endif
     if (!active) return;
+#if NORM
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nb][e] *= rstd[nb][e & 1];
+#endif
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #if SWIGLU
@@ -905,7 +915,7 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
         cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step)
         reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
-        smem = max(n_rows * row_bytes + cg * 64, reduce_bytes)
+        smem = max(n_rows * row_bytes + cg * 64 * (2 if fused[1] else 1), reduce_bytes)
         seven_bits = w.bits == 8 and w.u_max < 128
         rope_flags = ({"neox": 1, "interleaved": 2}[rope.style], rope.head_dim) if rope is not None else (0, 0)
         launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
