@@ -312,6 +312,29 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
     assert torch.equal(caches, singles_kv)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of products each reading the one before (and a residual stream written in place), with
+    programmatic dependent launch (kernels start before their predecessor ends) and without."""
+    from specserve.kernels.linear import feed_forward, linear_fused
+
+    k = 1536
+    w_in, w_out = random_quant(k, k, 32, True), random_quant(k, k, 16, False)
+    w_gate_up, w_down = random_quant(1024, k, 32, True), random_quant(k, 512, 32, True)
+    norm = ((torch.rand(k, device=DEVICE) + 0.5).to(DTYPE), 1e-6)
+    x = torch.randn(4, k, device=DEVICE).to(DTYPE)
+    results = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("SPECSERVE_PDL", pdl)
+        residual = x.clone()
+        for _ in range(6):
+            h = linear_fused(residual, w_in, norm=norm)
+            linear_fused(h, w_out, add_to=residual)
+            feed_forward(residual, w_gate_up, w_down, norm=norm, add_to=residual)
+        results[pdl] = residual
+    assert torch.equal(results["1"], results["0"])
+
+
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""

@@ -66,6 +66,17 @@ __device__ __forceinline__ float half_to_float(unsigned h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
     return f;
 }
+// programmatic dependent launch (sm_90+; no-ops for a grid launched without it)
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_may_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ float silu_mul(float gate, float up) {
     float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
     return round_bf(act * up);
@@ -436,6 +447,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     // multiple of D * KSPLIT * SG groups, so a chunk starts on slot 0
 #pragma unroll
     for (int d = 0; d < D; ++d) LOAD(d, d * KSPLIT + kw)
+    // Launched as a programmatic dependent (PDL), this grid may start while the kernel before it still
+    // runs: only weights (never written) are read before this wait; activations, outputs after it.
+    grid_dependency_wait();
+#if ROPE
+    // where this lane's rotated values go, and their cos / sin, fetched now, used in the epilogue
+    float rope_c[NB][2], rope_s[NB][2];
+    u64 rope_dst[NB][2];  // element offset of dim 0 of `head` for token tok: in out (q) or in a cache (k, v)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int tok = min(nb * 8 + 2 * t + e, M - 1);
+            const long long p = pos[tok];
+            rope_c[nb][e] = cos_t[p * (ROPE_HD / 2) + pair];
+            rope_s[nb][e] = sin_t[p * (ROPE_HD / 2) + pair];
+            const int kvh = head - n_q_heads;
+            rope_dst[nb][e] = head < n_q_heads ? (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD
+                : (u64)seq[tok] * c_seq + (u64)(kvh < n_kv_heads ? kvh : kvh - n_kv_heads) * c_head + (u64)p * ROPE_HD;
+        }
+#endif
 
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
@@ -448,6 +479,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #if SILU
             uint4 gb[SU];
 #endif
+#if NORM
+            uint4 gn[SU];
+#endif
 #pragma unroll
             for (int j = 0; j < SU; ++j) {
                 const int u = base + j * 32 * WARPS + threadIdx.x;
@@ -457,6 +491,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
                     ga[j] = *(const uint4*)src;
 #if SILU
                     gb[j] = *(const uint4*)(src + K);
+#endif
+#if NORM
+                    gn[j] = __ldg((const uint4*)(norm_w + c0 * G + kk));
 #endif
                 }
             }
@@ -482,8 +519,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #if NORM
                     // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's sums
                     // at the end, from per-group sums of squares: no pass over x before staging
-                    const uint4 nw = __ldg((const uint4*)(norm_w + c0 * G + kk));
-                    const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
+                    const unsigned pw[4] = {gn[j].x, gn[j].y, gn[j].z, gn[j].w};
 #pragma unroll
                     for (int h = 0; h < 4; ++h) {
                         sq += v[2 * h] * v[2 * h] + v[2 * h + 1] * v[2 * h + 1];
@@ -563,19 +599,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
             }
         }
     }
+    grid_dependents_may_launch();  // the next kernel's prologue (its first weight loads) may overlap this tail
 #if NORM
-    // 1 / rms of this lane's activation rows (tokens 2t, 2t + 1 of each block of 8), the group sums of
-    // squares added in group order: the same for any row count
-    float rstd[NB][2];
+    // 1 / rms of each activation row from its group sums of squares (lane-strided, then a fixed shuffle
+    // tree: the same sums for any row count); a lane keeps those of its tokens 2t, 2t + 1 (+ 8)
+    float rstd[NB][2] = {};
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
+    for (int m = 0; m < M; ++m) {
+        float ss = 0.0f;
+        for (int q = lane; q < n_groups; q += 32) ss += xsq[q * 16 + m];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = min(nb * 8 + 2 * t + e, M - 1);
-            float ss = 0.0f;
-            for (int q = 0; q < n_groups; ++q) ss += xsq[q * 16 + tok];
-            rstd[nb][e] = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
-        }
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float r = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (nb * 8 + 2 * t + e == m) rstd[nb][e] = r;
+    }
 #endif
 #if KSPLIT > 1
     __syncthreads();  // the staged activations are no longer read: their space takes the partial sums
@@ -623,21 +664,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
             const float x1 = round_bf(acc[nb][e]), x2 = round_bf(acc[nb][e + 2]);
 #endif
             const int d1 = ra - head * ROPE_HD, d2 = rb - head * ROPE_HD;
-            const long long p = pos[tok];
-            const float c = cos_t[p * (ROPE_HD / 2) + pair], s = sin_t[p * (ROPE_HD / 2) + pair];
+            const float c = rope_c[nb][e], s = rope_s[nb][e];
             const float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
-            if (head < n_q_heads) {
-                bf16_t* q = (bf16_t*)out + (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD;
-                q[d1] = (bf16_t)to_bf(r1);
-                q[d2] = (bf16_t)to_bf(r2);
-            } else {
-                const int kvh = head - n_q_heads;
-                const bool is_k = kvh < n_kv_heads;
-                bf16_t* dst = (is_k ? k_cache : v_cache) + (u64)seq[tok] * c_seq
-                              + (u64)(is_k ? kvh : kvh - n_kv_heads) * c_head + (u64)p * ROPE_HD;
-                dst[d1] = (bf16_t)to_bf(is_k ? r1 : x1);
-                dst[d2] = (bf16_t)to_bf(is_k ? r2 : x2);
-            }
+            const bool is_v = head >= n_q_heads + n_kv_heads;
+            bf16_t* dst = (head < n_q_heads ? (bf16_t*)out : is_v ? v_cache : k_cache) + rope_dst[nb][e];
+            dst[d1] = (bf16_t)to_bf(is_v ? x1 : r1);
+            dst[d2] = (bf16_t)to_bf(is_v ? x2 : r2);
         }
 #else
 #pragma unroll
@@ -712,6 +744,39 @@ def _allow_smem(kernel: Any, n_bytes: int) -> None:
     max_dynamic_shared_size_bytes = 8  # CUfunction_attribute
     if libcuda.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size_bytes, ctypes.c_int(n_bytes)) != 0:
         raise RuntimeError("cuFuncSetAttribute failed")
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def pdl_enabled(device: int) -> bool:
+    """Programmatic dependent launch for the tensor-core kernel: sm_90+ and SPECSERVE_PDL not "0"."""
+    return os.environ.get("SPECSERVE_PDL") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_dependent(kernel: Any, grid: int, block: int, args: list, shared_mem: int) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization: the grid may start before the kernel
+    ahead of it in the stream ends (it waits in griddepcontrol.wait before touching activations), which
+    hides the launch gap and the first weight loads behind that kernel's tail. Graph capture keeps it."""
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared_mem, torch.cuda.current_stream().cuda_stream,
+                           ctypes.pointer(attr), 1)
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    err = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
 def _submit(keys: list[tuple]) -> None:
@@ -938,6 +1003,8 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         extra = [cg]
         limit = SMEM_BYTES
     assert smem <= limit, "activations too wide to stage"
-    launch(grid=(grid, 1, 1), block=(32 * warps, 1, 1),
-           args=[x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra],
-           shared_mem=smem)
+    args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra]
+    if kernel == "gemv_mma" and pdl_enabled(x2.device.index or 0):
+        _launch_dependent(launch, grid, 32 * warps, args, smem)
+    else:
+        launch(grid=(grid, 1, 1), block=(32 * warps, 1, 1), args=args, shared_mem=smem)
