@@ -134,10 +134,11 @@ def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -
 
 def section_model() -> None:
     rows = []
-    for fmt, triton_gemv, quant_kernel in (("float", "1", "mma"), ("gguf_like", "1", "core"),
-                                           ("gguf_like", "1", "mma")):
+    for fmt, triton_gemv, quant_kernel, pdl in (("float", "1", "mma", "1"), ("gguf_like", "1", "core", "1"),
+                                                ("gguf_like", "1", "mma", "0"), ("gguf_like", "1", "mma", "1")):
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         os.environ["SPECSERVE_QUANT_KERNEL"] = quant_kernel
+        os.environ["SPECSERVE_PDL"] = pdl
         runner = make_runner(fmt)
         t0 = time.perf_counter()
         runner.warmup(17)
@@ -150,7 +151,7 @@ def section_model() -> None:
         runner.forward(b)
         gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 16)}
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
-        r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel,
+        r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel, "pdl": pdl,
              "weight_GB": runner.weights.n_bytes() / 1e9,
              "warmup_s": round(warm_s, 1),
              "pp512": round(pp), "tg128": round(tg, 1), "gpu_us": {k: round(v, 1) for k, v in gpu.items()},
@@ -417,11 +418,17 @@ def prebuild_calls(calls: list[Callable[[], object]]) -> None:
     keys: list[tuple] = []
     real = linear_cuda._kernel
     linear_cuda._kernel = lambda key: (keys.append(key), lambda **kw: None)[1]
+    pdl = os.environ.get("SPECSERVE_PDL")
+    os.environ["SPECSERVE_PDL"] = "0"  # launches through the stand-in
     try:
         for c in calls:
             c()
     finally:
         linear_cuda._kernel = real
+        if pdl is None:
+            del os.environ["SPECSERVE_PDL"]
+        else:
+            os.environ["SPECSERVE_PDL"] = pdl
     linear_cuda.prebuild(sorted(set(keys)))
 
 
@@ -443,6 +450,9 @@ def section_fused() -> None:
             for b in cfgs:
                 label = "default" if b is None else f"t{b['TILES']}k{b['KSPLIT']}d{b['D']}"
                 r[label] = timed(lambda b=b, c=call: c(b), 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
+            os.environ["SPECSERVE_PDL"] = "0"  # the default blocks again, each launch after the last one ends
+            r["default_no_pdl"] = timed(call, 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
+            del os.environ["SPECSERVE_PDL"]
             rows_out.append(r)
             print(json.dumps(r), flush=True)
         del qs
