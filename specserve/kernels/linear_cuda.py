@@ -376,6 +376,20 @@ __device__ __forceinline__ void mma(float (&d)[4], unsigned a0, unsigned a1, uns
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#if ROPE
+// the cos and sin of rotation pair `pair` at token tok's position, and where that token's `head` goes:
+// the element offset of its dim 0 in out (a q head) or in the KV cache (k and v heads)
+__device__ __forceinline__ void rope_target(int tok, int head, int pair, const long long* pos, const long long* seq,
+                                            const float* cos_t, const float* sin_t, int n_q_heads, int n_kv_heads,
+                                            int c_seq, int c_head, float& c, float& s, u64& dst) {
+    const long long p = pos[tok];
+    c = cos_t[p * (ROPE_HD / 2) + pair];
+    s = sin_t[p * (ROPE_HD / 2) + pair];
+    const int kvh = head - n_q_heads;
+    dst = head < n_q_heads ? (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD
+        : (u64)seq[tok] * c_seq + (u64)(kvh < n_kv_heads ? kvh : kvh - n_kv_heads) * c_head + (u64)p * ROPE_HD;
+}
+#endif
 // where the k-th activation of a group is staged: lane t = (k % WPG) % 4 reads VPL of them, in the
 // order its field pairs feed the MMA's k slots (field i of word j holds k = i * WPG + j)
 __device__ __forceinline__ int staged_pos(int k) {
@@ -450,22 +464,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     // Launched as a programmatic dependent (PDL), this grid may start while the kernel before it still
     // runs: only weights (never written) are read before this wait; activations, outputs after it.
     grid_dependency_wait();
-#if ROPE
-    // where this lane's rotated values go, and their cos / sin, fetched now, used in the epilogue
+#if ROPE && NB == 1
+    // where this lane's rotated values go, and their cos / sin, fetched now, used in the epilogue (with two
+    // blocks of 8 rows the registers they take cost more than the latency they hide: fetched there)
     float rope_c[NB][2], rope_s[NB][2];
-    u64 rope_dst[NB][2];  // element offset of dim 0 of `head` for token tok: in out (q) or in a cache (k, v)
+    u64 rope_dst[NB][2];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = min(nb * 8 + 2 * t + e, M - 1);
-            const long long p = pos[tok];
-            rope_c[nb][e] = cos_t[p * (ROPE_HD / 2) + pair];
-            rope_s[nb][e] = sin_t[p * (ROPE_HD / 2) + pair];
-            const int kvh = head - n_q_heads;
-            rope_dst[nb][e] = head < n_q_heads ? (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD
-                : (u64)seq[tok] * c_seq + (u64)(kvh < n_kv_heads ? kvh : kvh - n_kv_heads) * c_head + (u64)p * ROPE_HD;
-        }
+    for (int e = 0; e < 2; ++e)
+        rope_target(min(2 * t + e, M - 1), head, pair, pos, seq, cos_t, sin_t, n_q_heads, n_kv_heads, c_seq, c_head,
+                    rope_c[0][e], rope_s[0][e], rope_dst[0][e]);
 #endif
 
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
@@ -479,8 +486,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #if SILU
             uint4 gb[SU];
 #endif
-#if NORM
-            uint4 gn[SU];
+#if NORM && SU == 1
+            uint4 gn[SU];  // one unit per pass: its norm weights fetched with it (more would take registers)
 #endif
 #pragma unroll
             for (int j = 0; j < SU; ++j) {
@@ -492,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #if SILU
                     gb[j] = *(const uint4*)(src + K);
 #endif
-#if NORM
+#if NORM && SU == 1
                     gn[j] = __ldg((const uint4*)(norm_w + c0 * G + kk));
 #endif
                 }
@@ -519,7 +526,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #if NORM
                     // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's sums
                     // at the end, from per-group sums of squares: no pass over x before staging
-                    const unsigned pw[4] = {gn[j].x, gn[j].y, gn[j].z, gn[j].w};
+#if SU > 1
+                    const uint4 nw = __ldg((const uint4*)(norm_w + c0 * G + kk));
+#else
+                    const uint4 nw = gn[j];
+#endif
+                    const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
 #pragma unroll
                     for (int h = 0; h < 4; ++h) {
                         sq += v[2 * h] * v[2 * h] + v[2 * h + 1] * v[2 * h + 1];
@@ -601,21 +613,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     }
     grid_dependents_may_launch();  // the next kernel's prologue (its first weight loads) may overlap this tail
 #if NORM
-    // 1 / rms of each activation row from its group sums of squares (lane-strided, then a fixed shuffle
-    // tree: the same sums for any row count); a lane keeps those of its tokens 2t, 2t + 1 (+ 8)
-    float rstd[NB][2] = {};
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
+    // 1 / rms of each activation row from its group sums of squares, added in group order by lane `row`
+    // (the same sums for any row count), then handed to the lanes holding that row's tokens
+    float rstd[NB][2];
+    {
+        const int row = min(lane, M - 1);
         float ss = 0.0f;
-        for (int q = lane; q < n_groups; q += 32) ss += xsq[q * 16 + m];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        for (int q = 0; q < n_groups; ++q) ss += xsq[q * 16 + row];
         const float r = 1.0f / sqrtf(ss / K + __int_as_float(eps_bits));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (nb * 8 + 2 * t + e == m) rstd[nb][e] = r;
+            for (int e = 0; e < 2; ++e) rstd[nb][e] = __shfl_sync(0xffffffffu, r, min(nb * 8 + 2 * t + e, M - 1));
     }
 #endif
 #if KSPLIT > 1
@@ -664,10 +673,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
             const float x1 = round_bf(acc[nb][e]), x2 = round_bf(acc[nb][e + 2]);
 #endif
             const int d1 = ra - head * ROPE_HD, d2 = rb - head * ROPE_HD;
+#if NB == 1
             const float c = rope_c[nb][e], s = rope_s[nb][e];
+            const u64 dst_off = rope_dst[nb][e];
+#else
+            float c, s;
+            u64 dst_off;
+            rope_target(tok, head, pair, pos, seq, cos_t, sin_t, n_q_heads, n_kv_heads, c_seq, c_head, c, s, dst_off);
+#endif
             const float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
             const bool is_v = head >= n_q_heads + n_kv_heads;
-            bf16_t* dst = (head < n_q_heads ? (bf16_t*)out : is_v ? v_cache : k_cache) + rope_dst[nb][e];
+            bf16_t* dst = (head < n_q_heads ? (bf16_t*)out : is_v ? v_cache : k_cache) + dst_off;
             dst[d1] = (bf16_t)to_bf(is_v ? x1 : r1);
             dst[d2] = (bf16_t)to_bf(is_v ? x2 : r2);
         }
