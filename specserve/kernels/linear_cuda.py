@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
                     const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
 #pragma unroll
                     for (int h = 0; h < 4; ++h) {
-                        sq += v[2 * h] * v[2 * h] + v[2 * h + 1] * v[2 * h + 1];
+                        sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
                         v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
                         v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
                     }
@@ -681,7 +681,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
             u64 dst_off;
             rope_target(tok, head, pair, pos, seq, cos_t, sin_t, n_q_heads, n_kv_heads, c_seq, c_head, c, s, dst_off);
 #endif
-            const float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+            // explicit roundings: every variant (row count) rotates alike, whatever the compiler would fuse
+            const float r1 = __fmaf_rn(x1, c, __fmul_rn(-x2, s)), r2 = __fmaf_rn(x2, c, __fmul_rn(x1, s));
             const bool is_v = head >= n_q_heads + n_kv_heads;
             bf16_t* dst = (head < n_q_heads ? (bf16_t*)out : is_v ? v_cache : k_cache) + dst_off;
             dst[d1] = (bf16_t)to_bf(is_v ? x1 : r1);
