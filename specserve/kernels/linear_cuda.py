@@ -650,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nb][e] *= rstd[nb][e & 1];
+        for (int e = 0; e < 4; ++e) acc[nb][e] = __fmul_rn(acc[nb][e], rstd[nb][e & 1]);  // never fused with a bias
 #endif
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
