@@ -51,8 +51,8 @@ class LocalRunner:
         cuda_graphs: bool = True,
         weight_format: str = "auto",
     ):
-        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": the file's own
-        quantization on CUDA, `dtype` floats elsewhere)."""
+        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto" is "float": every matrix
+        in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
         gguf = GGUFFile(model_path)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         dev = torch.device(device) if device is not None else default_device()
