@@ -35,5 +35,5 @@ def test_every_kernel_source_takes_its_parameters() -> None:
     for name, (source, names) in linear_cuda.KERNELS.items():
         assert all(f"__{param}__" in source for param in names)
         src = linear_cuda.kernel_source((name, *range(3, 3 + len(names))))
-        assert not re.findall(r"__[A-Z][A-Z0-9_]*__", src)
+        assert not set(re.findall(r"__[A-Z][A-Z0-9_]*__", src)) - {"__CUDA_ARCH__"}  # CUDA's own macro stays
         assert "#define M 5" in src  # M is the third parameter: filled with the third value
