@@ -27,6 +27,13 @@ def bucket_for(n_rows: int, max_rows: int) -> int | None:
     return None
 
 
+def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
+    """The buckets of steps of 1..n_rows rows: up to the one that holds n_rows (17 rows: 1..16 and
+    24), none past max_rows."""
+    top = bucket_for(min(n_rows, max_rows), max_rows)
+    return [b for b in BUCKETS if top is not None and b <= top]
+
+
 class GraphCache:
     """Captures `forward_all(tokens, positions, seq_ids) -> logits` per bucket, lazily."""
 
@@ -70,10 +77,9 @@ class GraphCache:
         return graph, static_in, static_out
 
     def capture_up_to(self, n_rows: int) -> None:
-        """Capture every bucket up to n_rows now, so no capture lands inside a timed run."""
-        for b in BUCKETS:
-            if b > min(n_rows, self.max_rows):
-                break
+        """Capture every bucket a step of up to n_rows rows takes now, so no capture lands inside a
+        request or a timed run."""
+        for b in buckets_up_to(n_rows, self.max_rows):
             if b not in self.graphs:
                 self.graphs[b] = self._capture(b)
 
