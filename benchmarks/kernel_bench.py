@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -288,15 +289,6 @@ MMA_SWEEP = [(1, 8, 2), (1, 16, 2), (2, 4, 2), (2, 4, 3), (4, 2, 2), (8, 2, 1), 
              (4, 1, 2), (8, 1, 1)]
 
 
-def precompile() -> None:
-    """Builds every swept CUDA variant at once."""
-    keys = {("gemv_q", bits, group * bits // 32, m, rn, u, ks, silu, False, False)
-            for _, k, silu, bits, group in MATRICES.values() for m, cfgs in SWEEP.items() for rn, u, ks in cfgs}
-    keys |= {("gemv_mma", bits, group, m, tl, ks, d, silu, False, False, bits == 8, False)
-             for _, k, silu, bits, group in MATRICES.values() for m in (1, 8) for tl, ks, d in MMA_SWEEP}
-    linear_cuda.prebuild(sorted(keys))
-
-
 def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
     per = n * k * (bits / 8 + 4 / group)
     copies = max(1, -(-300_000_000 // int(per)))  # > L2 (60 MB), several times
@@ -330,6 +322,17 @@ class Rotation:
         return self.items[self.i]
 
 
+def prebuild_calls(calls: list[Callable[[], object]]) -> None:
+    """Builds the variants these calls launch, all at once: the calls run first with a stand-in for
+    the built kernel that records its key and launches nothing (through the plain launcher)."""
+    keys: list[tuple] = []
+    stand_in = lambda key: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
+    with mock.patch.object(linear_cuda, "_kernel", stand_in), mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):
+        for c in calls:
+            c()
+    linear_cuda.prebuild(sorted(set(keys)))
+
+
 def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation) -> dict[str, object]:
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
     calls = 2 * len(qs.items)
@@ -342,6 +345,10 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     def cuda(blocks: dict[str, int] | None = None, kernel: str = "gemv_q") -> torch.Tensor:
         return linear_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, kernel=kernel)
 
+    variants = [(f"rn{rn}u{u}k{ks}", "gemv_q", {"RN": rn, "U": u, "KSPLIT": ks}) for rn, u, ks in SWEEP[m]]
+    variants += [(f"mma_t{tl}k{ks}d{d}", "gemv_mma", {"TILES": tl, "KSPLIT": ks, "D": d}) for tl, ks, d in MMA_SWEEP]
+    prebuild_calls([cuda, lambda: cuda(kernel="gemv_mma")]
+                   + [lambda b=blocks, kn=kernel: cuda(b, kn) for _, kernel, blocks in variants])
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
                             "MB": round(qbytes / 1e6, 2)}
     r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
@@ -352,8 +359,6 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
     r["mma"] = timed(lambda: cuda(kernel="gemv_mma"), calls, qbytes)
     r["mma_blocks"] = linear_cuda.pick_mma_blocks(n, k)
-    variants = [(f"rn{rn}u{u}k{ks}", "gemv_q", {"RN": rn, "U": u, "KSPLIT": ks}) for rn, u, ks in SWEEP[m]]
-    variants += [(f"mma_t{tl}k{ks}d{d}", "gemv_mma", {"TILES": tl, "KSPLIT": ks, "D": d}) for tl, ks, d in MMA_SWEEP]
     best: dict[str, tuple[str, float]] = {}
     for label, kernel, blocks in variants:
         us = timed(lambda b=blocks, kn=kernel: cuda(b, kn), calls, qbytes).get("us")
@@ -368,9 +373,6 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
 def section_matrices() -> None:
     """Each projection alone: bf16 (cuBLAS, Triton) vs the quantized kernels over a sweep of blocks."""
     rows_out = []
-    t0 = time.perf_counter()
-    precompile()
-    print(f"CUDA variants built in {time.perf_counter() - t0:.0f} s", flush=True)
     for name, (n, k, silu, bits, group) in MATRICES.items():
         qs = Rotation(quant_copies(n, k, bits, group))
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
@@ -413,25 +415,6 @@ def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, i
     return call
 
 
-def prebuild_calls(calls: list[Callable[[], object]]) -> None:
-    """Builds the variants these calls launch, all at once (the calls run with a stand-in launcher)."""
-    keys: list[tuple] = []
-    real = linear_cuda._kernel
-    linear_cuda._kernel = lambda key: (keys.append(key), lambda **kw: None)[1]
-    pdl = os.environ.get("SPECSERVE_PDL")
-    os.environ["SPECSERVE_PDL"] = "0"  # launches through the stand-in
-    try:
-        for c in calls:
-            c()
-    finally:
-        linear_cuda._kernel = real
-        if pdl is None:
-            del os.environ["SPECSERVE_PDL"]
-        else:
-            os.environ["SPECSERVE_PDL"] = pdl
-    linear_cuda.prebuild(sorted(set(keys)))
-
-
 def section_fused() -> None:
     """The fused path's products alone (RMSNorm, RoPE + KV write, SwiGLU, residual add folded in) over
     a sweep of the tensor-core kernel's blocks, one and eight rows."""
@@ -450,9 +433,8 @@ def section_fused() -> None:
             for b in cfgs:
                 label = "default" if b is None else f"t{b['TILES']}k{b['KSPLIT']}d{b['D']}"
                 r[label] = timed(lambda b=b, c=call: c(b), 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
-            os.environ["SPECSERVE_PDL"] = "0"  # the default blocks again, each launch after the last one ends
-            r["default_no_pdl"] = timed(call, 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
-            del os.environ["SPECSERVE_PDL"]
+            with mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):  # each launch after the last one ends
+                r["default_no_pdl"] = timed(call, 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
             rows_out.append(r)
             print(json.dumps(r), flush=True)
         del qs
