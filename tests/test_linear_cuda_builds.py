@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from specserve.kernels import linear_cuda
 
@@ -37,3 +38,19 @@ def test_every_kernel_source_takes_its_parameters() -> None:
         src = linear_cuda.kernel_source((name, *range(3, 3 + len(names))))
         assert not set(re.findall(r"__[A-Z][A-Z0-9_]*__", src)) - {"__CUDA_ARCH__"}  # CUDA's own macro stays
         assert "#define M 5" in src  # M is the third parameter: filled with the third value
+
+
+def test_rmsnorm_folds_in_only_where_sixteen_rows_stage_whole() -> None:
+    """RMSNorm needs whole rows staged: norm_fusable says yes only where one chunk of 16 rows, with
+    both arrays of per-group sums beside it, fits the shared memory the kernel asks for."""
+    from specserve.kernels.linear import QuantWeight
+
+    def weight(n: int, k: int) -> QuantWeight:
+        return QuantWeight(torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 32, 2), 4, 32)
+
+    fusable = {k: linear_cuda.norm_fusable(weight(17920, k)) for k in (1536, 4096, 6144, 8192, 65536)}
+    assert fusable == {1536: True, 4096: True, 6144: False, 8192: False, 65536: False}
+    for k in (1536, 4096):  # what the launch then asks for: all of K in one chunk, both sum arrays beside it
+        cfg = linear_cuda.pick_mma_blocks(17920, k)
+        cg, row_bytes = linear_cuda.mma_chunk(16, k, 32, cfg["D"] * cfg["KSPLIT"] * 4, sums=2)
+        assert cg * 32 >= k and 16 * row_bytes + cg * 64 * 2 <= linear_cuda.MMA_SMEM_BYTES

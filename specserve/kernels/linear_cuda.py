@@ -888,15 +888,16 @@ def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
     return max(step, fit // step * step) if fit >= step else max(8, fit // 8 * 8)
 
 
-def mma_chunk(n_rows: int, k: int, group: int, step: int) -> tuple[int, int]:
+def mma_chunk(n_rows: int, k: int, group: int, step: int, sums: int = 1) -> tuple[int, int]:
     """Groups staged at a time (a multiple of `step`, the groups the warps of a tile take per round)
     and bytes per staged activation row: bf16 values plus one group of padding, so the lanes of two
-    rows hit distinct banks, and each chunk's fp32 group sums (16 rows) after them."""
+    rows hit distinct banks. After the rows, `sums` arrays of fp32 per-group sums (16 rows): the
+    activations' sums, and with RMSNorm their sums of squares."""
     def row_bytes(cg: int) -> int:
         return -(-cg * group * 2 // 128) * 128 + group * 2
 
     cg = -(-(k // group) // step) * step
-    while cg > step and n_rows * row_bytes(cg) + cg * 64 > MMA_SMEM_BYTES:
+    while cg > step and n_rows * row_bytes(cg) + cg * 64 * sums > MMA_SMEM_BYTES:
         cg -= step
     return cg, row_bytes(cg)
 
@@ -978,7 +979,7 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
 def norm_fusable(w: QuantWeight) -> bool:
     """The tensor-core kernel stages all of K at once for 16 rows (RMSNorm needs whole rows)."""
     cfg = pick_mma_blocks(*w.shape)
-    cg, _ = mma_chunk(ROWS_PER_LAUNCH, w.shape[1], w.group, cfg["D"] * cfg["KSPLIT"] * 512 // (w.group * w.bits))
+    cg, _ = mma_chunk(ROWS_PER_LAUNCH, w.shape[1], w.group, cfg["D"] * cfg["KSPLIT"] * 512 // (w.group * w.bits), 2)
     return cg * w.group >= w.shape[1]
 
 
@@ -995,9 +996,10 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         cfg = blocks or pick_mma_blocks(n_out, k)
         warps = cfg["TILES"] * cfg["KSPLIT"]
         per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
-        cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step)
+        sums = 2 if fused[1] else 1
+        cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
         reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
-        smem = max(n_rows * row_bytes + cg * 64 * (2 if fused[1] else 1), reduce_bytes)
+        smem = max(n_rows * row_bytes + cg * 64 * sums, reduce_bytes)
         seven_bits = w.bits == 8 and w.u_max < 128
         rope_flags = ({"neox": 1, "interleaved": 2}[rope.style], rope.head_dim) if rope is not None else (0, 0)
         launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
