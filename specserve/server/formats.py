@@ -6,6 +6,7 @@ Each format turns the scheduler's events into JSON objects: `chunk` for one stre
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Any
@@ -178,9 +179,7 @@ class ChatFormat(OpenAIFormat):
         if not self.task.n_probs or probs is None:
             return None
 
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            return token_entry(self.engine, token, logprob)
-
+        entry = functools.partial(token_entry, self.engine)
         return {"content": [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]}
                             for p in probs]}
 
