@@ -15,15 +15,21 @@ and multiplies them with up to 16 activation rows by mma.sync m16n8k16 (weights 
   activations' group sums computed while staging them;
 - activations are staged in shared memory as bf16 (SwiGLU of a [gate | up] input applied
   there), permuted so a lane reads its B fragment in one load.
+For the fused decode path (model/transformer.py) it also folds in, by compile-time flags: RMSNorm
+of its input (NORM: x * weight staged, 1/rms from per-group sums of squares scales the sums at the
+end), SwiGLU of its output (SWIGLU: a tile pairs gate rows with their up rows), the residual add
+(ACCUM: out += product, in place) and RoPE with the KV-cache write (ROPE: a tile pairs rotation
+partners; `RopeWrite`). On sm_90 it is launched as a programmatic dependent (`_launch_dependent`):
+weights load before `griddepcontrol.wait`, activations after it.
 `gemv_q`: CUDA cores. A lane walks whole groups of one row (one 16-byte load), a bit field
 becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent, and per group
 s * sum(u x) - min * sum(x) is recovered from sum((1 + u / 2^bits) x) and sum(x). It also takes
 4-bit groups of 16 and row lengths the MMA kernel's 16-word steps do not divide.
 
-On an H200 (benchmarks/results/kernel_notes.md, v5) one row costs about the same in both (the MMA
-kernel: wqkv 3.9, wo 3.9, gate_up 13.9, down 11.6-14.3 us; the output matrix 101 vs 79 us), and 8
-rows cost the MMA kernel 1.5-2x one row instead of the CUDA cores' 3-5x. Float (bf16) weights stay
-the default: their 8-row steps run on cuBLAS at ~1.1x one row. Compiled at first use with NVRTC
+On an H200 (benchmarks/results/kernel_notes.md, v5 and v6) one row costs about the same in both
+unfused (the MMA kernel: wqkv 3.9, wo 3.9, gate_up 13.9, down 11.6-14.3 us; the output matrix 101 vs
+79 us), and 8 rows cost the MMA kernel 1.5-2.7x one row instead of the CUDA cores' 3-5x. Float
+(bf16) weights stay the default: their 8-row steps run on cuBLAS at ~1.1x one row. Compiled at first use with NVRTC
 through torch (`torch.cuda._compile_kernel`), one build per variant (integer width, rows, blocks,
 fusion flags). Where that is not available, or for other dtypes, `usable` says no and the Triton
 kernels (linear_triton.py) run instead. SPECSERVE_QUANT_KERNEL=core|triton picks another kernel.
