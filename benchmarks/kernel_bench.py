@@ -1,6 +1,6 @@
 """Decode-path speed on CUDA, per kernel and per model, for bf16 and GGUF-quantized weights.
 
-    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill,fused]
+    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill,fused,probe]
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
@@ -10,9 +10,10 @@ logits:   kernels on vs the torch references (SPECSERVE_NO_TRITON=1) on one mode
 profile:  per-kernel GPU time of one decode step (torch.profiler over graph replays).
 matrices: each projection alone (cuBLAS bf16, Triton bf16, and the quantized kernels over a
           sweep of blocks), weights rotated through more than the L2 so each call reads from HBM.
-prefill:  pp512 with one-row products on cuBLAS vs Triton, and the top kernels of a 512-row forward.
+prefill:  pp512 per weight format, and the top kernels of a 512-row forward.
 fused:    each product of the fused decode path (RMSNorm, RoPE + KV write, SwiGLU, residual add folded
           into the tensor-core kernel) over a sweep of its blocks.
+probe:    a few fused products once each, to run under a profiler (ncu).
 Random weights in qwen2.5-coder-1.5b's shapes. Prints tables; writes JSON and text to --out.
 """
 
@@ -214,13 +215,12 @@ def section_logits() -> None:
 
 
 def section_prefill() -> None:
-    """pp512 with one-row products on cuBLAS vs Triton, and the top kernels of one 512-row forward."""
+    """pp512 per weight format, and the top kernels of one 512-row forward."""
     from torch.profiler import ProfilerActivity, profile
 
     res = {}
-    for triton_gemv in ("0", "1"):
-        os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv
-        runner = make_runner("float")
+    for fmt in ("float", "gguf_like"):
+        runner = make_runner(fmt)
         pp = bench_prefill(runner, 512, 3)
         runner.kv_truncate(0, 0)
         b = Batch()
@@ -229,10 +229,12 @@ def section_prefill() -> None:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             runner.forward(b)
             torch.cuda.synchronize()
-        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
-        res[triton_gemv] = {"pp512": round(pp), "top": [(e.key[:60], round(e.device_time_total), e.count)
-                                                       for e in top]}
-        print(json.dumps(res[triton_gemv]), flush=True)
+        events = prof.key_averages()
+        top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+        top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
+        res[fmt] = {"pp512": round(pp), "top": [(e.key[:60], round(e.device_time_total), e.count) for e in top],
+                    "top_self_cpu_us": [(e.key[:60], round(e.self_cpu_time_total), e.count) for e in top_cpu]}
+        print(json.dumps(res[fmt]), flush=True)
         del runner
         torch.cuda.empty_cache()
     RESULTS["prefill"] = res
@@ -442,6 +444,21 @@ def section_fused() -> None:
     RESULTS["fused"] = rows_out
 
 
+PROBE = ("wo", "gate_up", "down_q4k")
+
+
+def section_probe() -> None:
+    """Each of PROBE's fused products once per row count (1, 8), default blocks, for a profiler:
+    ncu -k regex:gemv_mma python benchmarks/kernel_bench.py --sections probe."""
+    for name in PROBE:
+        n, k, _silu, bits, group = MATRICES[name]
+        qs = Rotation(quant_copies(n, k, bits, group))
+        calls = [fused_call(name, m, qs, k) for m in (1, 8)]
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -459,7 +476,7 @@ def main() -> None:
                 section_profile(out_dir)
             else:
                 {"model": section_model, "logits": section_logits, "matrices": section_matrices,
-                 "prefill": section_prefill, "fused": section_fused}[sec]()
+                 "prefill": section_prefill, "fused": section_fused, "probe": section_probe}[sec]()
         except Exception:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]

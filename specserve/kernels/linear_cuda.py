@@ -332,9 +332,12 @@ MMA_SOURCE = r"""
 #define WPL (WPG / 4)            // of them read by one lane: 1 or 2
 #define VPL (G / 4)              // activations per lane and group: 8 or 4
 #define NMMA (G / 16)            // k16 products per group
+#define GP (G + VPL)             // staged activations per group: one lane's fragment of padding, so the
+                                 // scattered stores of staging spread over all banks
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
-#define SU (M > 1 ? 4 : 1)       // staging: 8-activation units per thread and pass (registers!)
+#define MU (SILU ? (M < 4 ? M : 4) : (M < 8 ? M : 8))  // staging: activation rows per pass (registers!)
+#define RU (MU == 2 || MU == 3 ? 2 : 1)  // units of 8 activations per thread, row and pass
 __COMMON__
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
 __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
@@ -419,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_seq, int c_head)
 {
     extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]
+    bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]: groups of GP
     float* xsum = (float*)(smem + M * row_bytes);      // [CG][16]
 #if NORM
     float* xsq = xsum + CG * 16;                       // [CG][16]: sums of squares of the raw inputs
@@ -484,83 +487,94 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
         __syncthreads();  // the previous chunk is no longer read
-        // stage: one thread per 8 consecutive activations (SU of them per pass, their loads issued
-        // first); the G / 8 threads of a group sum it in a fixed order
-        const int units = M * cg * (G / 8);
-        for (int base = 0; base < units; base += 32 * WARPS * SU) {
-            uint4 ga[SU];
+        // stage: a thread takes RU units of 8 consecutive activations, the same units of MU rows per pass
+        // (their loads issued first; the norm weights read once for all rows); the G / 8 threads of a
+        // group sum it in a fixed order
+        const int upr = cg * (G / 8);  // units per row
+        for (int ub = 0; ub < upr; ub += 32 * WARPS * RU) {
+#pragma unroll 1
+            for (int m0 = 0; m0 < M; m0 += MU) {
+                uint4 ga[RU][MU];
 #if SILU
-            uint4 gb[SU];
+                uint4 gb[RU][MU];
 #endif
-#if NORM && SU == 1
-            uint4 gn[SU];  // one unit per pass: its norm weights fetched with it (more would take registers)
-#endif
-#pragma unroll
-            for (int j = 0; j < SU; ++j) {
-                const int u = base + j * 32 * WARPS + threadIdx.x;
-                if (u < units) {
-                    const int m = u / (cg * (G / 8)), kk = (u % (cg * (G / 8))) * 8;
-                    const bf16_t* src = x + (u64)m * stride_x + c0 * G + kk;
-                    ga[j] = *(const uint4*)src;
-#if SILU
-                    gb[j] = *(const uint4*)(src + K);
-#endif
-#if NORM && SU == 1
-                    gn[j] = __ldg((const uint4*)(norm_w + c0 * G + kk));
-#endif
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < SU; ++j) {
-                const int u = base + j * 32 * WARPS + threadIdx.x;
-                const bool ok = u < units;
-                const int m = ok ? u / (cg * (G / 8)) : 0, kk = ok ? (u % (cg * (G / 8))) * 8 : 0;
-                float part = 0.0f, sq = 0.0f;
-                if (ok) {
-                    const unsigned pa[4] = {ga[j].x, ga[j].y, ga[j].z, ga[j].w};
-                    float v[8];
-#if SILU
-                    const unsigned pb[4] = {gb[j].x, gb[j].y, gb[j].z, gb[j].w};
-#pragma unroll
-                    for (int h = 0; h < 4; ++h) {
-                        v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
-                        v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
-                    }
-#else
-#pragma unroll
-                    for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
 #if NORM
-                    // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's sums
-                    // at the end, from per-group sums of squares: no pass over x before staging
-#if SU > 1
-                    const uint4 nw = __ldg((const uint4*)(norm_w + c0 * G + kk));
-#else
-                    const uint4 nw = gn[j];
+                uint4 gn[RU];
 #endif
-                    const unsigned pw[4] = {nw.x, nw.y, nw.z, nw.w};
 #pragma unroll
-                    for (int h = 0; h < 4; ++h) {
-                        sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
-                        v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
-                        v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
-                    }
+                for (int r = 0; r < RU; ++r) {
+                    const int uu = ub + r * 32 * WARPS + threadIdx.x;
+                    if (uu < upr) {
+                        const bf16_t* src = x + c0 * G + uu * 8;
+#if NORM
+                        gn[r] = __ldg((const uint4*)(norm_w + c0 * G + uu * 8));
 #endif
-#endif
-                    bf16_t* dst = xs + m * (row_bytes / 2) + (kk / G) * G;
 #pragma unroll
-                    for (int h = 0; h < 8; ++h) {
-                        dst[staged_pos(kk % G + h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
-                        part += v[h];
+                        for (int mm = 0; mm < MU; ++mm)
+                            if (m0 + mm < M) {
+                                ga[r][mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x);
+#if SILU
+                                gb[r][mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x + K);
+#endif
+                            }
                     }
                 }
 #pragma unroll
-                for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-                if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+                for (int r = 0; r < RU; ++r) {
+                    const int uu = ub + r * 32 * WARPS + threadIdx.x;
+                    const bool ok_u = uu < upr;
+                    const int kk = ok_u ? uu * 8 : 0;
+                    // staged_pos(kk % G + h) = staged_pos(kk % G) + staged_pos(h): h's part folds to a constant
+                    const int pos0 = (kk / G) * GP + staged_pos(kk % G);
+#if NORM
+                    const unsigned pw[4] = {gn[r].x, gn[r].y, gn[r].z, gn[r].w};
+#endif
+#pragma unroll
+                    for (int mm = 0; mm < MU; ++mm) {
+                        const int m = m0 + mm;
+                        const bool ok = ok_u && m < M;
+                        float part = 0.0f, sq = 0.0f;
+                        if (ok) {
+                            const unsigned pa[4] = {ga[r][mm].x, ga[r][mm].y, ga[r][mm].z, ga[r][mm].w};
+                            float v[8];
+#if SILU
+                            const unsigned pb[4] = {gb[r][mm].x, gb[r][mm].y, gb[r][mm].z, gb[r][mm].w};
+#pragma unroll
+                            for (int h = 0; h < 4; ++h) {
+                                v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+                                v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+                            }
+#else
+#pragma unroll
+                            for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+#if NORM
+                            // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's
+                            // sums at the end, from per-group sums of squares: no pass over x before staging
+#pragma unroll
+                            for (int h = 0; h < 4; ++h) {
+                                sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
+                                v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
+                                v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
+                            }
+#endif
+#endif
+                            bf16_t* dst = xs + m * (row_bytes / 2) + pos0;
+#pragma unroll
+                            for (int h = 0; h < 8; ++h) {
+                                dst[staged_pos(h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
+                                part += v[h];
+                            }
+                        }
+#pragma unroll
+                        for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                        if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
 #if NORM
 #pragma unroll
-                for (int off = 1; off < G / 8; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-                if (ok && kk % G == 0) xsq[(kk / G) * 16 + m] = sq;
+                        for (int off = 1; off < G / 8; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+                        if (ok && kk % G == 0) xsq[(kk / G) * 16 + m] = sq;
 #endif
+                    }
+                }
             }
         }
         __syncthreads();
@@ -594,11 +608,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
                             unsigned bx[VPL / 2];
 #if G == 32
                             uint4 bv = make_uint4(0u, 0u, 0u, 0u);
-                            if (tok < M) bv = *(const uint4*)(xs + tok * (row_bytes / 2) + lg * G + t * VPL);
+                            if (tok < M) bv = *(const uint4*)(xs + tok * (row_bytes / 2) + lg * GP + t * VPL);
                             bx[0] = bv.x; bx[1] = bv.y; bx[2] = bv.z; bx[3] = bv.w;
 #else
                             uint2 bv = make_uint2(0u, 0u);
-                            if (tok < M) bv = *(const uint2*)(xs + tok * (row_bytes / 2) + lg * G + t * VPL);
+                            if (tok < M) bv = *(const uint2*)(xs + tok * (row_bytes / 2) + lg * GP + t * VPL);
                             bx[0] = bv.x; bx[1] = bv.y;
 #endif
                             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -723,14 +737,16 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
     return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
-def pick_mma_blocks(n: int, k: int) -> dict[str, int]:
+def pick_mma_blocks(n: int, k: int, rows: int = 1) -> dict[str, int]:
     """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D).
-    From the shape only: a row's sums then run in the same order for any number of rows."""
+    KSPLIT and D come from the shape only, so a row's sums run in the same order for any number of
+    rows; TILES only says which warps share a block (and its staged activations): more of them for
+    several rows, where staging costs more (gate_up, 8 rows: 22.2 -> 18.8 us, kernel_notes.md v7)."""
     n_tiles = -(-n // 16)
     if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K
         return {"TILES": 1, "KSPLIT": 16, "D": 2}
     if n_tiles <= 2048:
-        return {"TILES": 2, "KSPLIT": 2, "D": 2}
+        return {"TILES": 2 if rows == 1 else 4, "KSPLIT": 2, "D": 2}
     return {"TILES": 8, "KSPLIT": 2, "D": 1}
 
 
@@ -896,11 +912,12 @@ def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
 
 def mma_chunk(n_rows: int, k: int, group: int, step: int, sums: int = 1) -> tuple[int, int]:
     """Groups staged at a time (a multiple of `step`, the groups the warps of a tile take per round)
-    and bytes per staged activation row: bf16 values plus one group of padding, so the lanes of two
-    rows hit distinct banks. After the rows, `sums` arrays of fp32 per-group sums (16 rows): the
-    activations' sums, and with RMSNorm their sums of squares."""
+    and bytes per staged activation row: groups of bf16 values padded by a quarter (the kernel's GP),
+    then one group's bytes more, so the lanes of two rows hit distinct banks. After the rows, `sums`
+    arrays of fp32 per-group sums (16 rows): the activations' sums, and with RMSNorm their sums of
+    squares."""
     def row_bytes(cg: int) -> int:
-        return -(-cg * group * 2 // 128) * 128 + group * 2
+        return -(-cg * group * 5 // 2 // 128) * 128 + group * 2
 
     cg = -(-(k // group) // step) * step
     while cg > step and n_rows * row_bytes(cg) + cg * 64 * sums > MMA_SMEM_BYTES:
@@ -999,7 +1016,7 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
     n_out, k = w.shape
     flags = (silu_input, bias is not None, out.dtype == torch.float32)
     if kernel == "gemv_mma":
-        cfg = blocks or pick_mma_blocks(n_out, k)
+        cfg = blocks or pick_mma_blocks(n_out, k, n_rows)
         warps = cfg["TILES"] * cfg["KSPLIT"]
         per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
         sums = 2 if fused[1] else 1

@@ -217,26 +217,27 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
 
 @triton.jit
 def _dequant_kernel(w_ptr, sm_ptr, out_ptr, n_groups, BITS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr):
+    """scale * u - min of BLOCK_G groups: every bit field of every word at once, then each group's G
+    values stored as one contiguous run (field i of word j is k = i * WPG + j)."""
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // PER
     grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = grp < n_groups
     grp64 = grp.to(tl.int64)
-    j = tl.arange(0, WPG)
-    words = tl.load(w_ptr + grp64[:, None] * WPG + j[None, :], mask=g_mask[:, None], other=0)
+    words = tl.load(w_ptr + grp64[:, None] * WPG + tl.arange(0, WPG)[None, :], mask=g_mask[:, None], other=0)
+    shifts = tl.arange(0, PER)[None, :, None] * BITS
+    u = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_G, PER, WPG]; the mask drops sign bits
     s, mn = _scale_min(sm_ptr, grp64, g_mask)
-    a = (s * (1 << BITS))[:, None]
-    c = a + mn[:, None]
-    for i in tl.static_range(PER):
-        tl.store(out_ptr + grp64[:, None] * G + i * WPG + j[None, :],
-                 (_field(words, i, BITS) * a - c).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    vals = tl.reshape(u.to(tl.float32) * s[:, None, None] - mn[:, None, None], [BLOCK_G, G])
+    tl.store(out_ptr + grp64[:, None] * G + tl.arange(0, G)[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None])
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """One pass to `dtype` (prefill's path to cuBLAS)."""
     out = torch.empty(w.shape, dtype=dtype, device=w.words.device)
     n_groups = w.sm.shape[0] * w.sm.shape[1]
-    block_g = 64 if INTERPRET else 256
+    block_g = 64 if INTERPRET else 128
     _dequant_kernel[(triton.cdiv(n_groups, block_g),)](w.words, w.sm.view(torch.int32), out, n_groups, BITS=w.bits,
                                                        G=w.group, BLOCK_G=block_g, num_warps=4)
     return out
