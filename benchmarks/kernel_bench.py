@@ -251,7 +251,7 @@ def section_profile(out_dir: Path) -> None:
         b = Batch()
         b.add_sequence(list(range(600)), 0, 0, "last")
         runner.forward(b)
-        for rows in (1, 8):
+        for rows in (1, 2, 8):
             g = graph_at(runner, rows)
             g.replay()
             torch.cuda.synchronize()
@@ -270,7 +270,7 @@ def section_profile(out_dir: Path) -> None:
                                         "top": [(k[0][:60], round(k[1], 1), k[2]) for k in kern[:8]]}
             print(f"profile {fmt} rows={rows}: {total:.0f} us of kernels, {summary[f'{fmt}_{rows}']['launches']}"
                   f" launches, graph replay {replay_us(g):.0f} us", flush=True)
-            for k in kern[:8]:
+            for k in kern[:12]:
                 print(f"   {k[1]:8.1f} us  x{k[2]:<4d} {k[0][:80]}", flush=True)
         del runner
         torch.cuda.empty_cache()
@@ -328,7 +328,7 @@ def prebuild_calls(calls: list[Callable[[], object]]) -> None:
     """Builds the variants these calls launch, all at once: the calls run first with a stand-in for
     the built kernel that records its key and launches nothing (through the plain launcher)."""
     keys: list[tuple] = []
-    stand_in = lambda key: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
+    stand_in = lambda key, sibling=None: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
     with mock.patch.object(linear_cuda, "_kernel", stand_in), mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):
         for c in calls:
             c()
@@ -423,18 +423,22 @@ def section_fused() -> None:
     rows_out = []
     for name, (n, k, _silu, bits, group) in MATRICES.items():
         qs = Rotation(quant_copies(n, k, bits, group))
-        calls = {m: fused_call(name, m, qs, k) for m in (1, 8)}
+        calls = {m: fused_call(name, m, qs, k) for m in (1, 2, 8)}
         cfgs = [None] + [{"TILES": t, "KSPLIT": ks, "D": d} for t, ks, d in FUSED_SWEEP]
         t0 = time.perf_counter()
-        prebuild_calls([lambda c=c, b=b: c(b) for c in calls.values() for b in cfgs])
+        minb1 = [{**linear_cuda.pick_mma_blocks(n, k, m), "MINB": 1} for m in calls]
+        prebuild_calls([lambda c=c, b=b: c(b) for c in calls.values() for b in cfgs + minb1])
         built_s = time.perf_counter() - t0
         for m, call in calls.items():
-            r: dict[str, object] = {"matrix": name, "fused": FUSED[name], "rows": m, "MB": round(qs.items[0].n_bytes()
-                                                                                                   / 1e6, 2),
-                                    "built_s": round(built_s, 1), "default_blocks": linear_cuda.pick_mma_blocks(n, k)}
+            r: dict[str, object] = {"matrix": name, "fused": FUSED[name], "rows": m,
+                                    "MB": round(qs.items[0].n_bytes() / 1e6, 2), "built_s": round(built_s, 1),
+                                    "default_blocks": linear_cuda.pick_mma_blocks(n, k, m)}
             for b in cfgs:
                 label = "default" if b is None else f"t{b['TILES']}k{b['KSPLIT']}d{b['D']}"
                 r[label] = timed(lambda b=b, c=call: c(b), 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
+            one_block = {**linear_cuda.pick_mma_blocks(n, k, m), "MINB": 1}  # registers unbounded
+            r["default_minb1"] = timed(lambda c=call, b=one_block: c(b), 2 * len(qs.items),
+                                       qs.items[0].n_bytes()).get("us")
             with mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):  # each launch after the last one ends
                 r["default_no_pdl"] = timed(call, 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
             rows_out.append(r)

@@ -42,6 +42,7 @@ import dataclasses
 import os
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -326,6 +327,7 @@ MMA_SOURCE = r"""
 #define ROPE_HD __ROPE_HD__      // v into the KV cache
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
+#define MINB __MINB__            // blocks per SM the registers must allow (launch bounds)
 #define WARPS (TILES * KSPLIT)
 #define PER (32 / BITS)          // bit fields per word
 #define WPG (G * BITS / 32)      // words per group and row: 4 or 8
@@ -414,7 +416,7 @@ __device__ __forceinline__ int staged_pos(int k) {
 // and the quad exchanges words so each lane holds its fragments' words.
 // Block: TILES tiles x KSPLIT warps. Activations are staged in shared memory as bf16, CG groups
 // at a time, permuted so each lane reads its B fragment in one load; their per-group sums beside.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_mma(
+extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     const bf16_t* __restrict__ x, const unsigned* __restrict__ w, const unsigned* __restrict__ sm,
     const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes,
     const bf16_t* __restrict__ norm_w, int eps_bits, const long long* __restrict__ pos,
@@ -725,7 +727,7 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
     "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU",
-                              "NORM", "ACCUM", "ROPE", "ROPE_HD")),
+                              "NORM", "ACCUM", "ROPE", "ROPE_HD", "MINB")),
 }
 
 
@@ -738,16 +740,32 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
 
 
 def pick_mma_blocks(n: int, k: int, rows: int = 1) -> dict[str, int]:
-    """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D).
-    KSPLIT and D come from the shape only, so a row's sums run in the same order for any number of
-    rows; TILES only says which warps share a block (and its staged activations): more of them for
-    several rows, where staging costs more (gate_up, 8 rows: 22.2 -> 18.8 us, kernel_notes.md v7)."""
+    """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D), and
+    MINB, the blocks per SM the registers must leave room for (0: as many as put the grid in one wave,
+    `one_wave_blocks`). KSPLIT and D come from the shape only, so a row's sums run in the same order
+    for any number of rows. From H200 sweeps (kernel_notes.md v7): several rows take more registers
+    than one, and gate_up's 560 blocks then needed a second wave (2 rows: 10.9 -> 16.6 us; bounded:
+    12.4); the output matrix's bound helps 1-2 rows but makes 8 rows spill (145 -> 227 us)."""
     n_tiles = -(-n // 16)
-    if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K
-        return {"TILES": 1, "KSPLIT": 16, "D": 2}
+    if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K, one wave anyway
+        return {"TILES": 1, "KSPLIT": 16, "D": 2, "MINB": 1}
     if n_tiles <= 2048:
-        return {"TILES": 2 if rows == 1 else 4, "KSPLIT": 2, "D": 2}
-    return {"TILES": 8, "KSPLIT": 2, "D": 1}
+        return {"TILES": 2, "KSPLIT": 2, "D": 2, "MINB": 0}
+    return {"TILES": 8, "KSPLIT": 2, "D": 1, "MINB": 0 if rows <= 2 else 1}
+
+
+@cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def one_wave_blocks(grid: int, threads: int, device: int) -> int:
+    """Blocks per SM the kernel's registers must leave room for so that the grid runs in one wave (1
+    where it does anyway), but never fewer than 64 registers a thread (the output matrix: 2)."""
+    sms = _sm_count(device)
+    if grid <= sms:
+        return 1
+    return max(1, min(-(-grid // sms), 65536 // (64 * threads)))
 
 
 _builds: dict[tuple, Future] = {}
@@ -835,13 +853,15 @@ def prebuild(keys: list[tuple]) -> None:
         _builds[key].result()
 
 
-def _kernel(key: tuple) -> Any:
+def _kernel(key: tuple, sibling: Callable[[int], tuple] | None = None) -> Any:
     """The built variant. Asking for one row count starts the builds of all 16 (NVRTC runs outside
     the GIL): graph capture asks for each row count in turn, and one by one the builds took ~40 s
-    of a quantized model's warm-up."""
+    of a quantized model's warm-up. sibling(rows): the key the same product takes for that many rows
+    (default: this key with only the row count changed)."""
     built = _builds.get(key)  # every call after the first: a dict lookup, no lock
     if built is None:
-        _submit([key] + [(*key[:3], rows, *key[4:]) for rows in range(1, 17) if rows != key[3]])
+        sibling = sibling or (lambda rows: (*key[:3], rows, *key[4:]))
+        _submit([key] + [sibling(rows) for rows in range(1, 17) if rows != key[3]])
         built = _builds[key]
     return built.result()
 
@@ -856,7 +876,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, False, False, False, False, False, False, False, 0, 0)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, *[False] * 7, 0, 0, 1)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -1016,19 +1036,26 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
     n_out, k = w.shape
     flags = (silu_input, bias is not None, out.dtype == torch.float32)
     if kernel == "gemv_mma":
-        cfg = blocks or pick_mma_blocks(n_out, k, n_rows)
-        warps = cfg["TILES"] * cfg["KSPLIT"]
         per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
         sums = 2 if fused[1] else 1
+        seven_bits = w.bits == 8 and w.u_max < 128
+        rope_flags = ({"neox": 1, "interleaved": 2}[rope.style], rope.head_dim) if rope is not None else (0, 0)
+        n_tiles = -(-n_out // 16)
+        device = x2.device.index or 0
+
+        def variant(rows: int) -> tuple[tuple, dict[str, int], int]:
+            cfg = {**pick_mma_blocks(n_out, k, rows), **(blocks or {})}
+            grid = -(-n_tiles // cfg["TILES"])
+            minb = cfg.get("MINB", 0) or one_wave_blocks(grid, 32 * cfg["TILES"] * cfg["KSPLIT"], device)
+            return (("gemv_mma", w.bits, w.group, rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags, seven_bits,
+                     *fused[:3], *rope_flags, minb), cfg, grid)
+
+        key, cfg, grid = variant(n_rows)
+        warps = cfg["TILES"] * cfg["KSPLIT"]
         cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
         reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
         smem = max(n_rows * row_bytes + cg * 64 * sums, reduce_bytes)
-        seven_bits = w.bits == 8 and w.u_max < 128
-        rope_flags = ({"neox": 1, "interleaved": 2}[rope.style], rope.head_dim) if rope is not None else (0, 0)
-        launch = _kernel(("gemv_mma", w.bits, w.group, n_rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags,
-                          seven_bits, *fused[:3], *rope_flags))
-        n_tiles = -(-n_out // 16)
-        grid = -(-n_tiles // cfg["TILES"])
+        launch = _kernel(key, lambda rows: variant(rows)[0])
         norm_w, eps = norm if norm is not None else (x2, 0.0)
         eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
         no_rope = [x2, x2, x2, x2, x2, x2, 0, 0, 0, 0]
