@@ -144,6 +144,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--spec-types", default=",".join(t for t in SPEC_TYPES if t != "none"),
                    help="types to time on the code-edit prompts")
+    p.add_argument("--ngram-sizes", default="12",
+                   help="comma-separated n-gram key lengths (--spec-ngram-size-n) to time each n-gram type with; "
+                        "12 is llama.cpp's default, shorter keys draft more often on edited code")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--prompts", default=None, help="workload JSON (default: ../shared/workloads/prompts.json)")
     p.add_argument("-o", "--output", default=None, help="JSON file (default: benchmarks/results/bench_<model>.json)")
@@ -161,6 +164,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.n_prompt < 1 or args.n_gen < 1:
         raise SpecserveError("-p and -n must be at least 1")
     types = [t for t in args.spec_types.split(",") if t]
+    try:
+        sizes = [int(n) for n in args.ngram_sizes.split(",") if n]
+    except ValueError:
+        raise SpecserveError(f"--ngram-sizes takes integers, got {args.ngram_sizes!r}") from None
+    if not sizes:
+        raise SpecserveError("--ngram-sizes needs at least one size")
+    for n in sizes:  # before the model loads
+        SpecParams(type="ngram-simple").with_overrides(ngram_size_n=n)
     unknown = set(types) - set(SPEC_TYPES)
     if unknown:
         raise SpecserveError(f"unknown speculative type(s): {', '.join(sorted(unknown))}")
@@ -196,8 +207,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None)
     rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))
     spec_rows = {}
-    for t in types:
+    runs = [(t, None) for t in types if not t.startswith("ngram") or t == "ngram-cache"]
+    runs += [(t, n) for t in types if t.startswith("ngram") and t != "ngram-cache" for n in sizes]
+    for t, n in runs:
         spec = SpecParams(type="none" if t == "draft" else t)
+        if n is not None:
+            spec = spec.with_overrides(ngram_size_n=n)
+        label = t if n is None or sizes == [12] else f"{t} n={n}"
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog,
                                               lambda spec=spec, draft=draft: build_chain(spec, draft))
@@ -205,8 +221,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         note = f"x{rate / none_rate:.2f}, accept {acc:.2f}, {stats.generated / stats.target_forwards:.2f} tok/fwd"
         if out != none_out:
             note += ", OUTPUT DIFFERS"
-        rows.append((f"tg{args.n_gen} code-edit {t}", rate, note))
-        spec_rows[t] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / none_rate, 3),
+        rows.append((f"tg{args.n_gen} code-edit {label}", rate, note))
+        spec_rows[label] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / none_rate, 3),
                         "acceptance": round(acc, 4), "tokens_per_forward": round(stats.generated /
                                                                                   stats.target_forwards, 3),
                         "identical": out == none_out}

@@ -16,14 +16,15 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_bench_writes_table_and_json(smollm_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = run_bench("-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
-                       "--spec-types", "ngram-simple", "-o", str(out))
+                       "--spec-types", "ngram-simple", "--ngram-sizes", "12,3", "-o", str(out))
     assert result.returncode == 0, result.stderr
-    assert "pp16" in result.stdout and "tg4 code-edit ngram-simple" in result.stdout
+    assert "pp16" in result.stdout and "tg4 code-edit ngram-simple n=3" in result.stdout
     data = json.loads(out.read_text())
     assert data["pp16"] > 0 and data["tg4"] > 0 and data["code_edit_none"] > 0
     assert data["decode_step_ms"] > 0 and data["verify8_step_ms"] > 0
-    spec = data["code_edit_spec"]["ngram-simple"]
-    assert spec["identical"] is True and spec["tokens_per_s"] > 0
+    for label in ("ngram-simple n=12", "ngram-simple n=3"):  # one row per key length
+        spec = data["code_edit_spec"][label]
+        assert spec["identical"] is True and spec["tokens_per_s"] > 0
 
 
 def test_bench_refuses_unknown_type(smollm_path: Path) -> None:
@@ -31,3 +32,10 @@ def test_bench_refuses_unknown_type(smollm_path: Path) -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "unknown speculative type(s): magic" in result.stderr
+
+
+def test_bench_refuses_bad_ngram_sizes(smollm_path: Path) -> None:
+    for sizes, message in (("x", "--ngram-sizes takes integers"), ("0", "ngram_size_n = 0 is out of range")):
+        result = run_bench("-m", str(smollm_path), "--device", "cpu", "--ngram-sizes", sizes, "--no-hf")
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert message in result.stderr
