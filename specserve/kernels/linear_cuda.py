@@ -26,9 +26,9 @@ becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent, and per
 s * sum(u x) - min * sum(x) is recovered from sum((1 + u / 2^bits) x) and sum(x). It also takes
 4-bit groups of 16 and row lengths the MMA kernel's 16-word steps do not divide.
 
-On an H200 (benchmarks/results/kernel_notes.md, v5 and v6) one row costs about the same in both
+On an H200 (benchmarks/results/kernel_notes.md, v5-v7) one row costs about the same in both
 unfused (the MMA kernel: wqkv 3.9, wo 3.9, gate_up 13.9, down 11.6-14.3 us; the output matrix 101 vs
-79 us), and 8 rows cost the MMA kernel 1.5-2.7x one row instead of the CUDA cores' 3-5x. Float
+79 us); fused, 8 rows cost the MMA kernel 1.3-1.7x one row instead of the CUDA cores' 3-5x. Float
 (bf16) weights stay the default: their 8-row steps run on cuBLAS at ~1.1x one row. Compiled at first use with NVRTC
 through torch (`torch.cuda._compile_kernel`), one build per variant (integer width, rows, blocks,
 fusion flags). Where that is not available, or for other dtypes, `usable` says no and the Triton
