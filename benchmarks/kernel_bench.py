@@ -151,7 +151,7 @@ def section_model() -> None:
         b = Batch()
         b.add_sequence(list(range(600)), 0, 0, "last")
         runner.forward(b)
-        gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 16)}
+        gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 9, 16)}
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
         r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel, "pdl": pdl,
              "weight_GB": runner.weights.n_bytes() / 1e9,
@@ -417,14 +417,14 @@ def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, i
     return call
 
 
-def section_fused() -> None:
-    """The fused path's products alone (RMSNorm, RoPE + KV write, SwiGLU, residual add folded in) over
-    a sweep of the tensor-core kernel's blocks, one and eight rows."""
+def section_fused(rows: tuple[int, ...] = (1, 2, 8), sweep: bool = True) -> None:
+    """The fused path's products alone (RMSNorm, RoPE + KV write, SwiGLU, residual add folded in) at
+    each row count, default blocks with and without the register bound, and (sweep) other blocks."""
     rows_out = []
     for name, (n, k, _silu, bits, group) in MATRICES.items():
         qs = Rotation(quant_copies(n, k, bits, group))
-        calls = {m: fused_call(name, m, qs, k) for m in (1, 2, 8)}
-        cfgs = [None] + [{"TILES": t, "KSPLIT": ks, "D": d} for t, ks, d in FUSED_SWEEP]
+        calls = {m: fused_call(name, m, qs, k) for m in rows}
+        cfgs = [None] + ([{"TILES": t, "KSPLIT": ks, "D": d} for t, ks, d in FUSED_SWEEP] if sweep else [])
         t0 = time.perf_counter()
         minb1 = [{**linear_cuda.pick_mma_blocks(n, k, m), "MINB": 1} for m in calls]
         prebuild_calls([lambda c=c, b=b: c(b) for c in calls.values() for b in cfgs + minb1])
@@ -467,6 +467,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--sections", default="model,logits,profile,matrices")
+    ap.add_argument("--fused-rows", default="1,2,8", help="row counts of the fused section")
+    ap.add_argument("--no-sweep", action="store_true", help="fused section: default blocks only")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -480,7 +482,9 @@ def main() -> None:
                 section_profile(out_dir)
             else:
                 {"model": section_model, "logits": section_logits, "matrices": section_matrices,
-                 "prefill": section_prefill, "fused": section_fused, "probe": section_probe}[sec]()
+                 "prefill": section_prefill, "probe": section_probe,
+                 "fused": lambda: section_fused(tuple(int(r) for r in args.fused_rows.split(",")),
+                                                not args.no_sweep)}[sec]()
         except Exception:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]

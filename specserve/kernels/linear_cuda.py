@@ -338,7 +338,7 @@ MMA_SOURCE = r"""
                                  // scattered stores of staging spread over all banks
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
-#define MU (SILU ? (M < 4 ? M : 4) : (M < 8 ? M : 8))  // staging: activation rows per pass (registers!)
+#define MU (SILU || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))  // staging: activation rows per pass (registers!)
 #define RU (MU == 2 || MU == 3 ? 2 : 1)  // units of 8 activations per thread, row and pass
 __COMMON__
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
@@ -755,17 +755,22 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1) -> dict[str, int]:
 
 
 @cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_resources(device: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory bytes per multiprocessor)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
 
 
-def one_wave_blocks(grid: int, threads: int, device: int) -> int:
+def one_wave_blocks(grid: int, threads: int, smem: int, device: int) -> int:
     """Blocks per SM the kernel's registers must leave room for so that the grid runs in one wave (1
-    where it does anyway), but never fewer than 64 registers a thread (the output matrix: 2)."""
-    sms = _sm_count(device)
+    where it does anyway), but never fewer than 64 registers a thread (the output matrix: 2), nor more
+    blocks than the shared memory holds (a bound past that only makes the kernel spill: gate_up's
+    staged rows take 41 KB a block at 9 rows, 66 KB at 16)."""
+    sms, smem_per_sm = _sm_resources(device)
     if grid <= sms:
         return 1
-    return max(1, min(-(-grid // sms), 65536 // (64 * threads)))
+    by_smem = smem_per_sm // (smem + 1024)  # the driver reserves 1 KB per block
+    return max(1, min(-(-grid // sms), 65536 // (64 * threads), by_smem))
 
 
 _builds: dict[tuple, Future] = {}
@@ -1043,18 +1048,20 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         n_tiles = -(-n_out // 16)
         device = x2.device.index or 0
 
-        def variant(rows: int) -> tuple[tuple, dict[str, int], int]:
+        def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
+            """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
             cfg = {**pick_mma_blocks(n_out, k, rows), **(blocks or {})}
             grid = -(-n_tiles // cfg["TILES"])
-            minb = cfg.get("MINB", 0) or one_wave_blocks(grid, 32 * cfg["TILES"] * cfg["KSPLIT"], device)
+            threads = 32 * cfg["TILES"] * cfg["KSPLIT"]
+            cg, row_bytes = mma_chunk(rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
+            reduce_bytes = threads * (2 if rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
+            smem = max(rows * row_bytes + cg * 64 * sums, reduce_bytes)
+            minb = cfg.get("MINB", 0) or one_wave_blocks(grid, threads, smem, device)
             return (("gemv_mma", w.bits, w.group, rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags, seven_bits,
-                     *fused[:3], *rope_flags, minb), cfg, grid)
+                     *fused[:3], *rope_flags, minb), cfg, grid, cg, row_bytes, smem)
 
-        key, cfg, grid = variant(n_rows)
+        key, cfg, grid, cg, row_bytes, smem = variant(n_rows)
         warps = cfg["TILES"] * cfg["KSPLIT"]
-        cg, row_bytes = mma_chunk(n_rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
-        reduce_bytes = warps * 32 * (2 if n_rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
-        smem = max(n_rows * row_bytes + cg * 64 * sums, reduce_bytes)
         launch = _kernel(key, lambda rows: variant(rows)[0])
         norm_w, eps = norm if norm is not None else (x2, 0.0)
         eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
