@@ -54,3 +54,23 @@ def test_rmsnorm_folds_in_only_where_sixteen_rows_stage_whole() -> None:
         cfg = linear_cuda.pick_mma_blocks(17920, k)
         cg, row_bytes = linear_cuda.mma_chunk(16, k, 32, cfg["D"] * cfg["KSPLIT"] * 4, sums=2)
         assert cg * 32 >= k and 16 * row_bytes + cg * 64 * 2 <= linear_cuda.MMA_SMEM_BYTES
+
+
+def test_block_shapes_keep_the_summation_order_across_row_counts() -> None:
+    """Only which warps share a block (TILES) and the register bound (MINB) may follow the row count:
+    KSPLIT and D set the order of a row's sums, which decode and verify steps must share."""
+    for n, k in ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)):
+        one = linear_cuda.pick_mma_blocks(n, k, 1)
+        for rows in range(2, 17):
+            cfg = linear_cuda.pick_mma_blocks(n, k, rows)
+            assert (cfg["KSPLIT"], cfg["D"]) == (one["KSPLIT"], one["D"]), (n, k, rows)
+
+
+def test_register_bound_aims_at_one_wave_within_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One wave where the registers allow it, never under 64 registers a thread, never more blocks
+    than the shared memory holds (an H200: 132 SMs, 228 KB each)."""
+    monkeypatch.setattr(linear_cuda, "_sm_resources", lambda device: (132, 228 * 1024))
+    assert linear_cuda.one_wave_blocks(96, 512, 150_000, 0) == 1  # down: one wave anyway
+    assert linear_cuda.one_wave_blocks(560, 128, 37_000, 0) == 5  # gate_up, 8 rows
+    assert linear_cuda.one_wave_blocks(560, 128, 66_000, 0) == 3  # 16 rows: shared memory holds 3
+    assert linear_cuda.one_wave_blocks(1187, 512, 10_000, 0) == 2  # output: 64 registers at least
