@@ -20,7 +20,9 @@ from specserve.engine.generate import GenerationStats, generate, sync
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.errors import SpecserveError
-from specserve.speculative.base import SPEC_TYPES, Chain
+from specserve.speculative.base import SPEC_TYPES, Chain, SpecParams
+
+KEYED_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types --spec-ngram-size-n applies to
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30) -> float:
@@ -144,9 +146,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("--spec-types", default=",".join(t for t in SPEC_TYPES if t != "none"),
                    help="types to time on the code-edit prompts")
-    p.add_argument("--ngram-sizes", default="12",
-                   help="comma-separated n-gram key lengths (--spec-ngram-size-n) to time each n-gram type with; "
-                        "12 is llama.cpp's default, shorter keys draft more often on edited code")
+    p.add_argument("--ngram-sizes", default=str(SpecParams.ngram_size_n),
+                   help="comma-separated n-gram key lengths (--spec-ngram-size-n) to time each keyed n-gram type "
+                        "with (default: llama.cpp's); shorter keys draft more often on edited code")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--prompts", default=None, help="workload JSON (default: ../shared/workloads/prompts.json)")
     p.add_argument("-o", "--output", default=None, help="JSON file (default: benchmarks/results/bench_<model>.json)")
@@ -157,7 +159,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve import catalog
     from specserve.gguf.chat_template import apply_chat_template
     from specserve.session import GenerationSession
-    from specserve.speculative.base import SpecParams
     from specserve.speculative.factory import build_chain
     from specserve.workloads import load_workloads
 
@@ -207,13 +208,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None)
     rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))
     spec_rows = {}
-    runs = [(t, None) for t in types if not t.startswith("ngram") or t == "ngram-cache"]
-    runs += [(t, n) for t in types if t.startswith("ngram") and t != "ngram-cache" for n in sizes]
+    runs = [(t, None) for t in types if t not in KEYED_TYPES] + [(t, n) for t in types if t in KEYED_TYPES
+                                                                 for n in sizes]
     for t, n in runs:
         spec = SpecParams(type="none" if t == "draft" else t)
         if n is not None:
             spec = spec.with_overrides(ngram_size_n=n)
-        label = t if n is None or sizes == [12] else f"{t} n={n}"
+        label = t if n is None or sizes == [SpecParams.ngram_size_n] else f"{t} n={n}"
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog,
                                               lambda spec=spec, draft=draft: build_chain(spec, draft))

@@ -30,6 +30,22 @@ def test_one_request_builds_every_row_count_once(monkeypatch: pytest.MonkeyPatch
     assert other in built and len(built) == 17
 
 
+def test_first_request_builds_the_keys_each_row_count_will_ask_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where blocks depend on the row count, the siblings built ahead are the keys those row counts
+    will take (sibling(rows)), not copies of this key with another M."""
+    built: list[tuple] = []
+    monkeypatch.setattr(linear_cuda, "_build", lambda device, key: built.append(key) or ("kernel", key))
+    monkeypatch.setattr(linear_cuda, "_builds", {})
+    monkeypatch.setattr(linear_cuda.torch.cuda, "current_device", lambda: 0)
+
+    def sibling(rows: int) -> tuple:
+        return ("gemv_mma", 4, 32, rows, 2 if rows == 1 else 4)
+
+    linear_cuda._kernel(sibling(1), sibling)
+    assert sorted(built) == sorted(sibling(rows) for rows in range(1, 17))
+    assert linear_cuda._kernel(sibling(9), sibling) == ("kernel", sibling(9)) and len(built) == 16  # built already
+
+
 def test_every_kernel_source_takes_its_parameters() -> None:
     """Each parameter a kernel's key names appears in its source, and a filled-in source has no
     placeholder left (a parameter missing from KERNELS would reach NVRTC as an unknown name)."""

@@ -747,8 +747,8 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1) -> dict[str, int]:
     than one, and gate_up's 560 blocks then needed a second wave (2 rows: 10.9 -> 16.6 us; bounded:
     12.4); the output matrix's bound helps 1-2 rows but makes 8 rows spill (145 -> 227 us)."""
     n_tiles = -(-n // 16)
-    if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K, one wave anyway
-        return {"TILES": 1, "KSPLIT": 16, "D": 2, "MINB": 1}
+    if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K; unbounded (one wave
+        return {"TILES": 1, "KSPLIT": 16, "D": 2, "MINB": 1}  # on an H200, and 512 threads would spill under a bound)
     if n_tiles <= 2048:
         return {"TILES": 2, "KSPLIT": 2, "D": 2, "MINB": 0}
     return {"TILES": 8, "KSPLIT": 2, "D": 1, "MINB": 0 if rows <= 2 else 1}
@@ -1056,7 +1056,7 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
             cg, row_bytes = mma_chunk(rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
             reduce_bytes = threads * (2 if rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
             smem = max(rows * row_bytes + cg * 64 * sums, reduce_bytes)
-            minb = cfg.get("MINB", 0) or one_wave_blocks(grid, threads, smem, device)
+            minb = cfg["MINB"] or one_wave_blocks(grid, threads, smem, device)
             return (("gemv_mma", w.bits, w.group, rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags, seven_bits,
                      *fused[:3], *rope_flags, minb), cfg, grid, cg, row_bytes, smem)
 
