@@ -65,6 +65,10 @@ def bench_prefill(runner: LocalRunner, n: int, reps: int = 3) -> float:
     return n / min(times[1:])
 
 
+# Rows of the timed steps: decode, verify steps of 1..16 drafts, and one past the largest one-pass step.
+STEP_ROWS = (1, 2, 4, 8, 9, 16, 17)
+
+
 def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int = 64) -> float:
     """Seconds per forward step of n_rows consecutive tokens of one sequence (a decode step
     for 1, a verify step of n_rows - 1 draft tokens otherwise), after `context` tokens."""
@@ -193,11 +197,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows.append((f"pp{args.n_prompt}", pp, ""))
     tg = bench_decode(runner, args.n_gen)
     rows.append((f"tg{args.n_gen}", tg, ""))
-    step1 = bench_step(runner, 1)
-    step9 = bench_step(runner, 9)
+    step_ms = {rows: bench_step(runner, rows) * 1e3 for rows in STEP_ROWS}
     result.update({f"pp{args.n_prompt}": round(pp, 1), f"tg{args.n_gen}": round(tg, 1),
-                   "decode_step_ms": round(step1 * 1e3, 3), "verify8_step_ms": round(step9 * 1e3, 3),
-                   "verify8_over_decode": round(step9 / step1, 3)})
+                   "decode_step_ms": round(step_ms[1], 3), "verify8_step_ms": round(step_ms[9], 3),
+                   "verify8_over_decode": round(step_ms[9] / step_ms[1], 3),
+                   "verify_8_rows_over_decode": round(step_ms[8] / step_ms[1], 3),
+                   "step_ms_by_rows": {rows: round(ms, 3) for rows, ms in step_ms.items()}})
     if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)
         roofline = bw / bytes_per_token(runner)
@@ -236,10 +241,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("-" * 70)
     for name, rate, note in rows:
         print(f"{name:<34} {rate:>10.1f}  {note}")
-    for key in ("decode_step_ms", "verify8_step_ms", "verify8_over_decode", "copy_bandwidth_gb_s",
-                "roofline_tokens_per_s", "tg_roofline_fraction"):
+    for key in ("decode_step_ms", "verify8_step_ms", "verify8_over_decode", "verify_8_rows_over_decode",
+                "copy_bandwidth_gb_s", "roofline_tokens_per_s", "tg_roofline_fraction"):
         if key in result:
             print(f"{key:<34} {result[key]:>10}")
+    print("step ms by rows: " + ", ".join(f"{rows}: {ms:.3f}" for rows, ms in step_ms.items()))
     out_path = Path(args.output or f"benchmarks/results/bench_{result['model']}_{runner.device.type}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")

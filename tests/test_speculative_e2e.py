@@ -114,3 +114,25 @@ def test_seeded_sampling_identical_with_speculation(smollm_runner, code_edit_pro
     spec = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES["ngram-simple"], sampling)
     assert spec.draft_accepted > 0  # drafts were really accepted, not only verified away
     assert spec.tokens == plain.tokens
+
+
+def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, plain_greedy, monkeypatch) -> None:
+    """Where the runner evaluates at most R rows per pass (packed weights on CUDA: 16), every
+    verify step keeps to R rows, and the text is still plain greedy's."""
+    assert smollm_runner.max_step_rows is None  # float weights on the CPU: no limit
+    assert smollm_runner.draft_limit(16) == 16
+    monkeypatch.setattr(LocalRunner, "max_step_rows", property(lambda self: 4))
+    assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
+    step_rows = []
+    forward = LocalRunner.forward
+
+    def counting_forward(self, batch):
+        step_rows.append(len(batch))
+        return forward(self, batch)
+
+    monkeypatch.setattr(LocalRunner, "forward", counting_forward)
+    spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)
+    stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
+    assert stats.tokens == plain_greedy.tokens
+    decode_rows = step_rows[-stats.target_forwards:]  # the prompt's chunks come first
+    assert max(decode_rows) == 4 and stats.draft_accepted > 0

@@ -136,7 +136,7 @@ def generate(
                 return
             draft: list[int] = []
             if speculator is not None:
-                limit = min(n_draft_max, n_predict - stats.generated - 1, room)
+                limit = min(runner.draft_limit(n_draft_max), n_predict - stats.generated - 1, room)
                 if limit > 0:
                     draft = speculator.draft(history, token, limit, n_draft_min)
             batch = Batch()

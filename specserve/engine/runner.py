@@ -13,6 +13,7 @@ from specserve.engine.cuda_graphs import GraphCache
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.linear import MAX_GEMV_ROWS
 from specserve.model.config import ModelConfig
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
@@ -107,6 +108,22 @@ class LocalRunner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def max_step_rows(self) -> int | None:
+        """The most rows a step evaluates in one pass of each product, or None (no such limit).
+
+        Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as
+        slices: a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one
+        (about 1.7x a 16-row step), so speculative steps keep their drafts within this."""
+        if self.weight_format != "float" and triton_enabled(self.weights.embed):
+            return MAX_GEMV_ROWS
+        return None
+
+    def draft_limit(self, n_max: int) -> int:
+        """n_max drafts, fewer where a step of 1 + n_max rows would take a second pass."""
+        rows = self.max_step_rows
+        return n_max if rows is None else min(n_max, rows - 1)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""

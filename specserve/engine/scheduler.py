@@ -369,7 +369,7 @@ class Scheduler:
             return []
         room = self.n_ctx - len(slot.cache) - 1  # positions left after `last`
         left = task.n_predict - slot.n_decoded - 1 if task.n_predict >= 0 else room
-        limit = min(spec.n_max, left, room)
+        limit = min(self.runner.draft_limit(spec.n_max), left, room)
         if limit < max(spec.n_min, 1):
             return []
         return slot.chain.draft(slot.cache, slot.last, limit, spec.n_min)

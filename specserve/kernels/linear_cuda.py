@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from specserve.kernels.linear import QuantWeight
+from specserve.kernels.linear import MAX_GEMV_ROWS, QuantWeight
 
 WARPS = 8  # per block
 
@@ -950,7 +950,7 @@ def mma_chunk(n_rows: int, k: int, group: int, step: int, sums: int = 1) -> tupl
     return cg, row_bytes(cg)
 
 
-ROWS_PER_LAUNCH = 16  # the kernels' largest M: more rows run as slices of this many
+ROWS_PER_LAUNCH = MAX_GEMV_ROWS  # the kernels' largest M: more rows run as slices of this many
 
 
 @dataclass
