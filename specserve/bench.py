@@ -105,9 +105,9 @@ def bench_decode(runner: LocalRunner, n: int, context: int = 16) -> float:
 
 def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict: int,
                        is_eog: Callable[[int], bool], chain_factory: Callable[[], Chain | None],
-                       n_draft_max: int = 16) -> tuple[float, GenerationStats, list[list[int]]]:
+                       n_draft_max: int = 16, overlap: bool = True) -> tuple[float, GenerationStats, list[list[int]]]:
     """Decode tokens/s over prompts (prompt time excluded; the first token of each comes from the
-    prompt's forward, so it is not counted), summed stats, the outputs."""
+    prompt's forward, so it is not counted), summed stats, the outputs. overlap: see generate()."""
     total = GenerationStats()
     outputs = []
     seconds = 0.0
@@ -115,7 +115,7 @@ def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict:
         stats = GenerationStats()
         chain = chain_factory()
         tokens = list(generate(runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
-                               speculator=chain, n_draft_max=n_draft_max, stats=stats))
+                               speculator=chain, n_draft_max=n_draft_max, stats=stats, overlap=overlap))
         seconds += stats.decode_seconds
         outputs.append(tokens)
         for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):
@@ -213,16 +213,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None)
     rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))
     spec_rows = {}
-    runs = [(t, None) for t in types if t not in KEYED_TYPES] + [(t, n) for t in types if t in KEYED_TYPES
-                                                                 for n in sizes]
-    for t, n in runs:
+    runs = [(t, None, True) for t in types if t not in KEYED_TYPES] + [(t, n, True) for t in types
+                                                                       if t in KEYED_TYPES for n in sizes]
+    if runs:  # the first again with one step at a time: what overlapping the plain steps gains
+        runs.append((runs[0][0], runs[0][1], False))
+    for t, n, overlap in runs:
         spec = SpecParams(type="none" if t == "draft" else t)
         if n is not None:
             spec = spec.with_overrides(ngram_size_n=n)
         label = t if n is None or sizes == [SpecParams.ngram_size_n] else f"{t} n={n}"
+        label += "" if overlap else " (no overlap)"
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog,
-                                              lambda spec=spec, draft=draft: build_chain(spec, draft))
+                                              lambda spec=spec, draft=draft: build_chain(spec, draft),
+                                              overlap=overlap)
         acc = stats.draft_accepted / stats.draft_tokens if stats.draft_tokens else 0.0
         note = f"x{rate / none_rate:.2f}, accept {acc:.2f}, {stats.generated / stats.target_forwards:.2f} tok/fwd"
         if out != none_out:

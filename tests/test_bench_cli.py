@@ -22,7 +22,9 @@ def test_bench_writes_table_and_json(smollm_path: Path, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["pp16"] > 0 and data["tg4"] > 0 and data["code_edit_none"] > 0
     assert data["decode_step_ms"] > 0 and data["verify8_step_ms"] > 0
-    for label in ("ngram-simple n=12", "ngram-simple n=3"):  # one row per key length
+    assert set(data["step_ms_by_rows"]) == {"1", "2", "4", "8", "9", "16", "17"}
+    for label in ("ngram-simple n=12", "ngram-simple n=3", "ngram-simple n=12 (no overlap)"):  # one row per key
+        # length, and the first type again with one step at a time
         spec = data["code_edit_spec"][label]
         assert spec["identical"] is True and spec["tokens_per_s"] > 0
 

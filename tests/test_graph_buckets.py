@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from specserve.engine.cuda_graphs import bucket_for, buckets_up_to
 
 
@@ -16,3 +19,49 @@ def test_warmup_covers_the_bucket_that_holds_the_longest_step() -> None:
         assert all(bucket_for(rows, 256) in covered for rows in range(1, min(n, 256) + 1))
     assert buckets_up_to(300, 256)[-1] == 256
     assert buckets_up_to(40, 32) == [*range(1, 17), 24, 32]  # never past max_rows
+
+
+def test_prompt_chunks_take_the_one_row_graphs() -> None:
+    from specserve.engine.batch import Batch
+    from specserve.engine.cuda_graphs import GraphCache
+
+    def batch(n: int, logits: str, seqs: int = 1) -> Batch:
+        b = Batch()
+        for s in range(seqs):
+            b.add_sequence(list(range(n)), 0, s, logits)
+        return b
+
+    assert GraphCache.one_logit_row(batch(512, "last")) and GraphCache.one_logit_row(batch(17, "none"))
+    assert not GraphCache.one_logit_row(batch(16, "last"))  # steps keep the every-row graphs
+    assert not GraphCache.one_logit_row(batch(40, "all")) and not GraphCache.one_logit_row(batch(20, "last", 2))
+    assert buckets_up_to(512, 512)[-2:] == [384, 512] and bucket_for(513, 512) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+@pytest.mark.parametrize("weight_format", ["float", "gguf"])
+def test_prompt_graphs_match_eager(weight_format: str) -> None:
+    """Prompt chunks replayed from the one-row graphs give the eager pass's logits and KV entries."""
+    import dataclasses
+
+    from specserve.engine.batch import Batch
+    from specserve.engine.runner import LocalRunner
+    from specserve.model.random_init import SHAPES, random_weights
+
+    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
+                              head_dim=64, ffn=512, vocab_size=300)
+    runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=5),
+                                        n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    runners[0].warmup(1, prompt_rows=40)
+    assert (48, True) in runners[0].graphs.graphs  # captured by the warm-up (bucket 48 holds 40 rows)
+    prompt = [(11 * i + 5) % cfg.vocab_size for i in range(700)]
+    logits = []
+    for runner in runners:
+        for start, end, want in ((0, 512, "none"), (512, 700, "last")):
+            b = Batch()
+            b.add_sequence(prompt[start:end], start, 0, want)
+            out = runner.forward(b)
+        logits.append(out.clone())
+    assert logits[0].shape == (1, cfg.vocab_size)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    torch.testing.assert_close(runners[0].kv[:, :, 0, :, :700], runners[1].kv[:, :, 0, :, :700], rtol=0, atol=0)

@@ -15,17 +15,38 @@ from specserve.engine.sampling import Sampler, SamplingParams
 PROMPT = [1, 504, 3458, 314, 4234, 28, 9175, 30, 2193, 253, 655, 28]
 
 
-class NoDraft:
-    """A speculator that never drafts: generate() then takes its step-by-step loop."""
+class ScriptedDrafts:
+    """Drafts from a known greedy continuation, right, wrong at the first token or wrong later,
+    by a fixed pattern over positions (and none at some), so generation with overlap walks every
+    branch: verify with nothing queued, a first token guessed wrong or right by the queued step,
+    then verified or not."""
+
+    def __init__(self, prompt: list[int], reference: list[int]):
+        self.text = prompt + reference
+        self.n_prompt = len(prompt)
+        self.accepted: list[int] = []
+        self.drafted: list[int] = []
 
     def begin(self, prompt: list[int]) -> None:
         pass
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
-        return []
+        at = len(history) + 1  # where the draft's first token goes in self.text
+        kind = (at * 2654435761 >> 8) % 6
+        truth = self.text[at:at + min(n_max, 1 + at % 6)]
+        if kind >= 3 or not truth:
+            draft = []
+        elif kind == 1:  # wrong first token
+            draft = [(truth[0] + 1) % 1000, *truth[1:]]
+        elif kind == 2 and len(truth) > 2:  # wrong third token
+            draft = [*truth[:2], (truth[2] + 1) % 1000, *truth[3:]]
+        else:
+            draft = truth
+        self.drafted.append(len(draft))
+        return draft
 
     def accept(self, n_accepted: int) -> None:
-        pass
+        self.accepted.append(n_accepted)
 
     def end(self) -> None:
         pass
@@ -35,7 +56,7 @@ def greedy(runner: LocalRunner, n: int, step_by_step: bool,
            is_eog: Callable[[int], bool] = lambda t: False) -> tuple[list[int], GenerationStats, int]:
     stats = GenerationStats()
     tokens = list(generate(runner, PROMPT, n, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
-                           speculator=NoDraft() if step_by_step else None, stats=stats))
+                           stats=stats, overlap=not step_by_step))
     return tokens, stats, runner.seq_len[0]
 
 
@@ -97,6 +118,37 @@ def test_chained_graph_replays_match_step_by_step(weight_format: str) -> None:
         tokens = {}
         for step_by_step in (True, False):
             tokens[step_by_step] = list(generate(runner, prompt, n, Sampler(SamplingParams(temperature=0)),
-                                                 speculator=NoDraft() if step_by_step else None))
+                                                 overlap=not step_by_step))
             assert runner.seq_len[0] == len(prompt) + n - 1
         assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 40])
+def test_speculative_overlap_matches_step_by_step(smollm_runner: LocalRunner, n: int) -> None:
+    """Greedy speculative decoding with chained stretches gives step-by-step greedy's tokens and KV
+    length, and the speculator hears how many of each draft were right."""
+    ref, _, ref_kv = greedy(smollm_runner, n, step_by_step=True)
+    spec = ScriptedDrafts(PROMPT, ref)
+    stats = GenerationStats()
+    got = list(generate(smollm_runner, PROMPT, n, Sampler(SamplingParams(temperature=0)), speculator=spec,
+                        stats=stats))
+    assert got == ref
+    assert smollm_runner.seq_len[0] == ref_kv
+    assert stats.target_forwards + stats.draft_accepted == n - 1  # each token: a step's or an accepted draft
+    assert len(spec.accepted) <= len(spec.drafted) and all(a >= 0 for a in spec.accepted)
+    if n == 40:
+        assert stats.draft_accepted > 0 and stats.target_forwards < n - 1
+        assert 0 in spec.accepted and max(spec.accepted) > 1
+
+
+def test_speculative_overlap_consumer_stops_early(smollm_runner: LocalRunner) -> None:
+    ref, _, _ = greedy(smollm_runner, 30, step_by_step=True)
+    gen = generate(smollm_runner, PROMPT, 30, Sampler(SamplingParams(temperature=0)),
+                   speculator=ScriptedDrafts(PROMPT, ref))
+    got = [next(gen) for _ in range(13)]
+    gen.close()
+    assert got == ref[:13]
+    assert smollm_runner.seq_len[0] <= len(PROMPT) + 30  # nothing past what was evaluated
+    again = list(generate(smollm_runner, PROMPT, 30, Sampler(SamplingParams(temperature=0)),
+                          speculator=ScriptedDrafts(PROMPT, ref)))
+    assert again == ref

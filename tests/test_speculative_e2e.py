@@ -134,5 +134,5 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)
     stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
     assert stats.tokens == plain_greedy.tokens
-    decode_rows = step_rows[-stats.target_forwards:]  # the prompt's chunks come first
-    assert max(decode_rows) == 4 and stats.draft_accepted > 0
+    verify_rows = step_rows[1:]  # after the prompt's one chunk (plain steps run as a GreedyChain)
+    assert verify_rows and max(verify_rows) <= 4 and stats.draft_accepted > 0

@@ -4,8 +4,12 @@ At batch sizes of a few tokens the GPU finishes each kernel faster than Python c
 launch the next, so the whole forward is captured once per row-count bucket and
 replayed. The graph's inputs live in one static [3, rows] tensor (tokens, positions,
 sequence ids); rows past the batch are padding that writes only to a scratch sequence.
-Logits come back for every row; the caller picks the rows it wants. The returned tensor
-is the graph's own output buffer: it is valid until the next forward.
+Steps of up to 256 rows return logits for every row; the caller picks the rows it wants.
+Prompt chunks (one sequence, one logit row or none) have graphs of their own up to 512 rows
+that compute the logits of one row, picked on the device: an eager 512-row forward spends
+more time launching kernels (~0.1 ms of host time each over packed weights) than running
+them. The returned tensor is the graph's own output buffer: it is valid until the next
+forward.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import torch
 from specserve.engine.batch import Batch
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
-BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256]
+BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+STEP_ROWS = 256  # the largest step with logits for every row (its [rows, vocab] fp32 logits are kept)
+PROMPT_ROWS = 512  # the largest prompt chunk with a graph (generate()'s default chunk)
+ONE_ROW_FROM = 16  # batches of more rows wanting one row's logits or none take the one-row graphs
 
 
 def bucket_for(n_rows: int, max_rows: int) -> int | None:
@@ -35,21 +42,37 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
 
 
 class GraphCache:
-    """Captures `forward_all(tokens, positions, seq_ids) -> logits` per bucket, lazily."""
+    """Captures `forward(tokens, positions, seq_ids, logit_rows) -> logits` per bucket, lazily."""
 
-    def __init__(self, forward_all: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, pad_seq: int, max_rows: int = 256):
-        self.forward_all = forward_all
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                                         torch.Tensor],
+                 device: torch.device, pad_seq: int, max_rows: int = STEP_ROWS, max_prompt_rows: int = PROMPT_ROWS):
+        """forward: fp32 logits of the rows in logit_rows (None: of every row)."""
+        self.forward = forward
         self.device = device
         self.pad_seq = pad_seq
         self.max_rows = max_rows
+        self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.host = torch.empty((3, max(BUCKETS)), dtype=torch.long, pin_memory=True)
+        # (rows, one logit row) -> graph, inputs [3, rows] (tokens, positions, sequences; with one logit
+        # row a 4th: its index in column 0), logits
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.host = torch.empty((4, max(BUCKETS)), dtype=torch.long, pin_memory=True)
         self.copied = torch.cuda.Event()  # the last upload from `host` has finished
 
-    def supports(self, n_rows: int) -> bool:
-        return bucket_for(n_rows, self.max_rows) is not None
+    @staticmethod
+    def one_logit_row(batch: Batch) -> bool:
+        """Batches past the step sizes that want at most one row's logits (prompt chunks) take the
+        graphs that compute just that row's."""
+        return len(batch) > ONE_ROW_FROM and len(batch.logit_rows()) <= 1
+
+    def _bucket(self, batch: Batch) -> tuple[int, bool] | None:
+        one = self.one_logit_row(batch)
+        rows = bucket_for(len(batch), self.max_prompt_rows if one else self.max_rows)
+        return None if rows is None else (rows, one)
+
+    def supports(self, batch: Batch) -> bool:
+        return self._bucket(batch) is not None
 
     def _pad_rows(self, inputs: torch.Tensor, start: int) -> None:
         inputs[0, start:] = 0
@@ -70,34 +93,43 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        static_in = torch.empty((3, rows), dtype=torch.long, device=self.device)
+    def _capture(self, key: tuple[int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        rows, one = key
+        static_in = torch.zeros((4 if one else 3, rows), dtype=torch.long, device=self.device)
         self._pad_rows(static_in, 0)
-        graph, static_out = self.capture(lambda: self.forward_all(static_in[0], static_in[1], static_in[2]))
+        pick = static_in[3, :1] if one else None
+        graph, static_out = self.capture(lambda: self.forward(static_in[0], static_in[1], static_in[2], pick))
         return graph, static_in, static_out
 
-    def capture_up_to(self, n_rows: int) -> None:
-        """Capture every bucket a step of up to n_rows rows takes now, so no capture lands inside a
-        request or a timed run."""
-        for b in buckets_up_to(n_rows, self.max_rows):
-            if b not in self.graphs:
-                self.graphs[b] = self._capture(b)
+    def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
+        """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
+        up to prompt_rows rows, so no capture lands inside a request or a timed run."""
+        keys = [(b, False) for b in buckets_up_to(n_rows, self.max_rows)]
+        keys += [(b, True) for b in buckets_up_to(prompt_rows, self.max_prompt_rows) if b > ONE_ROW_FROM]
+        for key in keys:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
 
     def run(self, batch: Batch) -> torch.Tensor:
         n = len(batch)
-        rows = bucket_for(n, self.max_rows)
-        assert rows is not None
-        if rows not in self.graphs:
-            self.graphs[rows] = self._capture(rows)
-        graph, static_in, static_out = self.graphs[rows]
+        key = self._bucket(batch)
+        assert key is not None
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, static_in, static_out = self.graphs[key]
+        rows, one = key
+        wanted = batch.logit_rows()
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
-        host = self.host[:, :rows]
-        host[:, :n] = torch.tensor((batch.tokens, batch.positions, batch.seq_ids))
+        host = self.host[: static_in.shape[0], :rows]
+        host[:3, :n] = torch.tensor((batch.tokens, batch.positions, batch.seq_ids))
         self._pad_rows(host, n)
+        if one:
+            host[3, 0] = wanted[0] if wanted else 0
         static_in.copy_(host, non_blocking=True)
         self.copied.record()
         graph.replay()
-        wanted = batch.logit_rows()
+        if one:
+            return static_out[: len(wanted)]
         if len(wanted) == n:
             return static_out[:n]
         return static_out[torch.tensor(wanted, device=self.device)]

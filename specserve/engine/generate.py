@@ -91,10 +91,13 @@ def generate(
     seq: int = 0,
     n_batch: int = 512,
     stats: GenerationStats | None = None,
+    overlap: bool = True,
 ) -> Iterator[int]:
     """Yield up to n_predict generated tokens (an end-of-generation token ends it, included).
 
-    Greedy output is identical with or without a speculator.
+    Greedy output is identical with or without a speculator. overlap: plain greedy steps are
+    queued ahead of the host (GreedyChain), with a speculator too wherever it drafts nothing;
+    False evaluates one step at a time (the reference the tests compare with).
     """
     stats = stats if stats is not None else GenerationStats()
     if len(prompt) >= runner.n_ctx:
@@ -113,8 +116,12 @@ def generate(
     if speculator is not None:
         speculator.begin(prompt)
     try:
-        if speculator is None and sampler.argmax_only:
-            yield from _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)
+        if overlap and sampler.argmax_only:
+            if speculator is None:
+                yield from _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)
+            else:
+                yield from _decode_speculative_chained(runner, seq, token, history, n_predict, sampler, is_eog,
+                                                       speculator, n_draft_max, n_draft_min, stats)
             return
         pending = [token]
         while True:
@@ -182,3 +189,90 @@ def _decode_chained(runner: LocalRunner, seq: int, token: int, n_kv: int, n_pred
             n_kv += 1
     finally:
         chain.close(n_kv)
+
+
+def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, history: list[int], n_predict: int,
+                                sampler: Sampler, is_eog: Callable[[int], bool], speculator: DraftSource,
+                                n_draft_max: int, n_draft_min: int, stats: GenerationStats) -> Iterator[int]:
+    """Greedy speculative decoding where stretches without drafts run as a GreedyChain.
+
+    With a draft for `token` and nothing queued, one step verifies [token, *draft]. Without one,
+    the step evaluating `token` and the one after it (its token fed back on the device) are queued
+    before the host waits, so the next draft is made while the device works. A draft made while
+    the step evaluating `token` runs is checked against that step's token first (no extra work
+    when it is wrong), and a verify step of [that token, *draft[1:]] follows when it is right.
+    history: tokens in the KV cache (`token`, sampled, is not yet evaluated)."""
+    chain: GreedyChain | None = None
+    chain_stale = True  # the chain's device state lags behind (a verify step ran since it was set)
+    out = [token]  # tokens to hand out, then `token` is their last
+
+    def verify(tokens: list[int], draft: list[int], position: int) -> list[int]:
+        """Evaluate tokens (the last sampled one, then draft) at position..; the accepted draft prefix
+        and one new token."""
+        batch = Batch()
+        batch.add_sequence(tokens, position, seq, "all")
+        logits = runner.forward(batch)
+        stats.target_forwards += 1
+        stats.draft_tokens += len(draft)
+        pending = sampler.sample_and_verify(logits, draft)
+        stats.draft_accepted += len(pending) - 1
+        runner.kv_truncate(seq, position + len(pending))
+        return pending
+
+    try:
+        while True:
+            for tok in out:
+                stats.tokens.append(tok)
+                stats.generated += 1
+                yield tok
+                if is_eog(tok):
+                    stats.stop_reason = "eog"
+                    return
+                if stats.generated >= n_predict:
+                    stats.stop_reason = "length"
+                    return
+            token = out[-1]
+            position = len(history)
+            room = runner.n_ctx - position - 1  # positions left after `token`
+            if room < 0:
+                stats.stop_reason = "context"
+                return
+            queued = chain is not None and chain.in_flight > 0  # a step evaluating `token` runs
+            limit = min(runner.draft_limit(n_draft_max), n_predict - stats.generated - 1, room)
+            draft = speculator.draft(history, token, limit, n_draft_min) if limit > 0 else []
+            if draft and not queued:
+                pending = verify([token, *draft], draft, position)
+                speculator.accept(len(pending) - 1)
+                history += [token, *pending[:-1]]
+                out = pending
+                chain_stale = True
+                continue
+            if chain is None or (chain_stale and not queued):
+                if chain is None:
+                    chain = GreedyChain(runner, seq, token, position)
+                else:
+                    chain.restart(token, position)
+                chain_stale = False
+            if not queued:
+                chain.submit()  # evaluates `token`
+            if not draft and n_predict - stats.generated >= 2 and chain.position < runner.n_ctx:
+                chain.submit()  # evaluates the token after it, fed on the device: queued before the host waits
+            nxt = chain.next_token()
+            stats.target_forwards += 1
+            sampler.accept([nxt], [])
+            history.append(token)
+            out = [nxt]
+            if draft:  # draft[0] was a guess at nxt
+                if nxt != draft[0]:
+                    speculator.accept(0)
+                elif len(draft) == 1:
+                    speculator.accept(1)
+                else:
+                    pending = verify([nxt, *draft[1:]], draft[1:], position + 1)
+                    speculator.accept(len(pending))
+                    history += [nxt, *pending[:-1]]
+                    out = [nxt, *pending]
+                    chain_stale = True
+    finally:
+        if chain is not None:
+            chain.close(len(history))

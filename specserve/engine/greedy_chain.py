@@ -34,6 +34,12 @@ class GreedyChain:
         self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
         self._n_submitted = 0
 
+    def restart(self, token: int, position: int) -> None:
+        """Continue from `token` at `position` (after steps that ran outside the chain)."""
+        assert not self._queued, "restart with steps in flight"
+        self.state.copy_(torch.tensor([[token], [position], [self.seq]], dtype=torch.long))
+        self.position = position
+
     @property
     def in_flight(self) -> int:
         return len(self._queued)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve.engine.batch import Batch
-from specserve.engine.cuda_graphs import GraphCache
+from specserve.engine.cuda_graphs import PROMPT_ROWS, GraphCache
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
@@ -94,14 +94,15 @@ class LocalRunner:
             dtype=self.dtype, device=self.device,
         )
         self.seq_len = [0] * n_seqs
-        self.graphs = GraphCache(self._forward_all_rows, self.device, pad_seq=n_seqs) if use_graphs else None
+        self.graphs = GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs) if use_graphs else None
         self._chain: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None
         freeze_gc()
 
-    def warmup(self, max_rows: int = 17) -> None:
-        """Capture the CUDA graphs for steps of up to max_rows rows (no-op without graphs)."""
+    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
+        """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
+        prompt_rows (no-op without graphs)."""
         if self.graphs is not None:
-            self.graphs.capture_up_to(max_rows)
+            self.graphs.capture_up_to(max_rows, prompt_rows)
             self.greedy_step()
             freeze_gc()
 
@@ -129,7 +130,7 @@ class LocalRunner:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         runs = batch.runs()
         self._check(batch, runs)
-        if self.graphs is not None and self.graphs.supports(len(batch)):
+        if self.graphs is not None and self.graphs.supports(batch):
             logits = self.graphs.run(batch)
         else:
             logits = self._forward_eager(batch, runs)
@@ -138,9 +139,11 @@ class LocalRunner:
             self.seq_len[seq] = kv_len
         return logits
 
-    def _forward_all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of every row, with no host-side batch layout (what CUDA graphs capture)."""
-        return self.model.forward(tokens, positions, seq_ids, None, [], self.kv)
+    def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                           logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
+        capture)."""
+        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv)
 
     def greedy_step(self) -> tuple[torch.Tensor, Callable[[int, int], torch.Tensor]]:
         """(state, step) for greedy decoding with the token fed back on the device (GreedyChain).
