@@ -8,7 +8,7 @@ KV entries of the rejected positions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -125,16 +125,8 @@ def generate(
             return
         pending = [token]
         while True:
-            for tok in pending:
-                stats.tokens.append(tok)
-                stats.generated += 1
-                yield tok
-                if is_eog(tok):
-                    stats.stop_reason = "eog"
-                    return
-                if stats.generated >= n_predict:
-                    stats.stop_reason = "length"
-                    return
+            if (yield from _hand_out(pending, n_predict, is_eog, stats)):
+                return
             token = pending[-1]
             history.extend(pending[:-1])
             room = runner.n_ctx - len(history) - 1  # positions left after `token`
@@ -163,6 +155,23 @@ def generate(
         stats.decode_seconds = time.perf_counter() - t0
         if speculator is not None:
             speculator.end()
+
+
+def _hand_out(tokens: list[int], n_predict: int, is_eog: Callable[[int], bool],
+              stats: GenerationStats) -> Generator[int, None, bool]:
+    """Yield tokens in order, counting them; True (stats.stop_reason set) once one ends generation
+    (end of generation, or n_predict reached): the rest are dropped."""
+    for tok in tokens:
+        stats.tokens.append(tok)
+        stats.generated += 1
+        yield tok
+        if is_eog(tok):
+            stats.stop_reason = "eog"
+            return True
+        if stats.generated >= n_predict:
+            stats.stop_reason = "length"
+            return True
+    return False
 
 
 def _decode_chained(runner: LocalRunner, seq: int, token: int, n_kv: int, n_predict: int, sampler: Sampler,
@@ -221,16 +230,8 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
 
     try:
         while True:
-            for tok in out:
-                stats.tokens.append(tok)
-                stats.generated += 1
-                yield tok
-                if is_eog(tok):
-                    stats.stop_reason = "eog"
-                    return
-                if stats.generated >= n_predict:
-                    stats.stop_reason = "length"
-                    return
+            if (yield from _hand_out(out, n_predict, is_eog, stats)):
+                return
             token = out[-1]
             position = len(history)
             room = runner.n_ctx - position - 1  # positions left after `token`
