@@ -5,10 +5,10 @@ launch the next, so the whole forward is captured once per row-count bucket and
 replayed. The graph's inputs live in one static [3, rows] tensor (tokens, positions,
 sequence ids); rows past the batch are padding that writes only to a scratch sequence.
 Steps of up to 256 rows return logits for every row; the caller picks the rows it wants.
-Prompt chunks (one sequence, one logit row or none) have graphs of their own up to 512 rows
-that compute the logits of one row, picked on the device: an eager 512-row forward spends
-more time launching kernels (~0.1 ms of host time each over packed weights) than running
-them. The returned tensor is the graph's own output buffer: it is valid until the next
+Batches of more than 16 rows that want one row's logits or none (prompt chunks) have graphs
+of their own, up to 512 rows, that compute the logits of that one row (its index is an input):
+an eager 512-row forward spends more time launching kernels (~0.1 ms of host time each over
+packed weights) than running them. The returned tensor is the graph's own output buffer: it is valid until the next
 forward.
 """
 
