@@ -152,3 +152,25 @@ def test_speculative_overlap_consumer_stops_early(smollm_runner: LocalRunner) ->
     again = list(generate(smollm_runner, PROMPT, 30, Sampler(SamplingParams(temperature=0)),
                           speculator=ScriptedDrafts(PROMPT, ref)))
     assert again == ref
+
+
+def test_speculative_overlap_stops_at_full_context(smollm_path) -> None:
+    runner = LocalRunner(smollm_path, n_ctx=len(PROMPT) + 9, device="cpu", progress=False)
+    ref, ref_stats, ref_kv = greedy(runner, 50, step_by_step=True)
+    stats = GenerationStats()
+    got = list(generate(runner, PROMPT, 50, Sampler(SamplingParams(temperature=0)),
+                        speculator=ScriptedDrafts(PROMPT, ref), stats=stats))
+    assert got == ref and len(got) == 10
+    assert stats.stop_reason == ref_stats.stop_reason == "context"
+    assert runner.seq_len[0] == ref_kv == runner.n_ctx
+
+
+def test_speculative_overlap_stops_at_end_of_generation(smollm_runner: LocalRunner) -> None:
+    ref, _, _ = greedy(smollm_runner, 30, step_by_step=True)
+    eog = ref[7]
+    first = ref.index(eog)
+    stats = GenerationStats()
+    got = list(generate(smollm_runner, PROMPT, 30, Sampler(SamplingParams(temperature=0)), is_eog=lambda t: t == eog,
+                        speculator=ScriptedDrafts(PROMPT, ref), stats=stats))
+    assert got == ref[:first + 1] and stats.stop_reason == "eog"
+    assert len(PROMPT) + first <= smollm_runner.seq_len[0] <= len(PROMPT) + 30  # every token before it evaluated
