@@ -119,6 +119,15 @@ def make_runner(fmt: str, n_ctx: int = 1024) -> LocalRunner:
     return LocalRunner.from_weights(CFG, weights, n_ctx=n_ctx, weight_format=fmt)
 
 
+def step_gpu_us(runner: LocalRunner, rows: tuple[int, ...] = (1, 2, 4, 8, 9, 16), base: int = 600) -> dict[int, float]:
+    """GPU us per graph replay of a step of each row count after a `base`-token prompt (captured graphs)."""
+    runner.kv_truncate(0, 0)
+    b = Batch()
+    b.add_sequence(list(range(base)), 0, 0, "last")
+    runner.forward(b)
+    return {r: replay_us(graph_at(runner, r, base)) for r in rows}
+
+
 def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -> float:
     """Median wall ms of runner.forward for n_rows new rows at context `base` (host work included)."""
     times = []
@@ -147,11 +156,7 @@ def section_model() -> None:
         warm_s = time.perf_counter() - t0
         pp = bench_prefill(runner, 512, 3)
         tg = bench_decode(runner, 128)
-        runner.kv_truncate(0, 0)
-        b = Batch()
-        b.add_sequence(list(range(600)), 0, 0, "last")
-        runner.forward(b)
-        gpu = {r: replay_us(graph_at(runner, r)) for r in (1, 2, 4, 8, 9, 16)}
+        gpu = step_gpu_us(runner)
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
         r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel, "pdl": pdl,
              "weight_GB": runner.weights.n_bytes() / 1e9,

@@ -197,12 +197,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows.append((f"pp{args.n_prompt}", pp, ""))
     tg = bench_decode(runner, args.n_gen)
     rows.append((f"tg{args.n_gen}", tg, ""))
-    step_ms = {rows: bench_step(runner, rows) * 1e3 for rows in STEP_ROWS}
+    step_ms = {n: bench_step(runner, n) * 1e3 for n in STEP_ROWS}
     result.update({f"pp{args.n_prompt}": round(pp, 1), f"tg{args.n_gen}": round(tg, 1),
                    "decode_step_ms": round(step_ms[1], 3), "verify8_step_ms": round(step_ms[9], 3),
                    "verify8_over_decode": round(step_ms[9] / step_ms[1], 3),
                    "verify_8_rows_over_decode": round(step_ms[8] / step_ms[1], 3),
-                   "step_ms_by_rows": {rows: round(ms, 3) for rows, ms in step_ms.items()}})
+                   "step_ms_by_rows": {n: round(ms, 3) for n, ms in step_ms.items()}})
     if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)
         roofline = bw / bytes_per_token(runner)
@@ -249,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "copy_bandwidth_gb_s", "roofline_tokens_per_s", "tg_roofline_fraction"):
         if key in result:
             print(f"{key:<34} {result[key]:>10}")
-    print("step ms by rows: " + ", ".join(f"{rows}: {ms:.3f}" for rows, ms in step_ms.items()))
+    print("step ms by rows: " + ", ".join(f"{n}: {ms:.3f}" for n, ms in step_ms.items()))
     out_path = Path(args.output or f"benchmarks/results/bench_{result['model']}_{runner.device.type}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -22,18 +22,12 @@ def test_warmup_covers_the_bucket_that_holds_the_longest_step() -> None:
 
 
 def test_prompt_chunks_take_the_one_row_graphs() -> None:
-    from specserve.engine.batch import Batch
     from specserve.engine.cuda_graphs import GraphCache
 
-    def batch(n: int, logits: str, seqs: int = 1) -> Batch:
-        b = Batch()
-        for s in range(seqs):
-            b.add_sequence(list(range(n)), 0, s, logits)
-        return b
-
-    assert GraphCache.one_logit_row(batch(512, "last")) and GraphCache.one_logit_row(batch(17, "none"))
-    assert not GraphCache.one_logit_row(batch(16, "last"))  # steps keep the every-row graphs
-    assert not GraphCache.one_logit_row(batch(40, "all")) and not GraphCache.one_logit_row(batch(20, "last", 2))
+    one_row = GraphCache.one_logit_row
+    assert one_row(512, 1) and one_row(17, 0)  # prompt chunks: the last one wants its last row's logits
+    assert not one_row(16, 1)  # steps keep the every-row graphs
+    assert not one_row(40, 40) and not one_row(40, 2)  # a verify of many rows, two sequences' last rows
     assert buckets_up_to(512, 512)[-2:] == [384, 512] and bucket_for(513, 512) is None
 
 
@@ -52,6 +46,7 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
     runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=5),
                                         n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
                for graphs in (True, False)]
+    assert runners[0].max_step_rows == (16 if weight_format == "gguf" else None)  # drafts fit one kernel pass
     runners[0].warmup(1, prompt_rows=40)
     assert (48, True) in runners[0].graphs.graphs  # captured by the warm-up (bucket 48 holds 40 rows)
     prompt = [(11 * i + 5) % cfg.vocab_size for i in range(700)]

@@ -24,7 +24,8 @@ class ScriptedDrafts:
     def __init__(self, prompt: list[int], reference: list[int]):
         self.text = prompt + reference
         self.n_prompt = len(prompt)
-        self.accepted: list[int] = []
+        self.accepted: list[int] = []  # what accept() heard after each draft
+        self.right: list[int] = []  # how many leading tokens of each draft were right
         self.drafted: list[int] = []
 
     def begin(self, prompt: list[int]) -> None:
@@ -43,6 +44,8 @@ class ScriptedDrafts:
         else:
             draft = truth
         self.drafted.append(len(draft))
+        if draft:
+            self.right.append(next((i for i, t in enumerate(draft) if t != self.text[at + i]), len(draft)))
         return draft
 
     def accept(self, n_accepted: int) -> None:
@@ -135,7 +138,7 @@ def test_speculative_overlap_matches_step_by_step(smollm_runner: LocalRunner, n:
     assert got == ref
     assert smollm_runner.seq_len[0] == ref_kv
     assert stats.target_forwards + stats.draft_accepted == n - 1  # each token: a step's or an accepted draft
-    assert len(spec.accepted) <= len(spec.drafted) and all(a >= 0 for a in spec.accepted)
+    assert spec.accepted == spec.right  # every draft is answered once, with how much of it was right
     if n == 40:
         assert stats.draft_accepted > 0 and stats.target_forwards < n - 1
         assert 0 in spec.accepted and max(spec.accepted) > 1
@@ -148,7 +151,8 @@ def test_speculative_overlap_consumer_stops_early(smollm_runner: LocalRunner) ->
     got = [next(gen) for _ in range(13)]
     gen.close()
     assert got == ref[:13]
-    assert smollm_runner.seq_len[0] <= len(PROMPT) + 30  # nothing past what was evaluated
+    # the tokens before the last one handed out were evaluated; a verify step may have kept more
+    assert len(PROMPT) + 12 <= smollm_runner.seq_len[0] <= len(PROMPT) + 29
     again = list(generate(smollm_runner, PROMPT, 30, Sampler(SamplingParams(temperature=0)),
                           speculator=ScriptedDrafts(PROMPT, ref)))
     assert again == ref

@@ -121,7 +121,7 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     verify step keeps to R rows, and the text is still plain greedy's."""
     assert smollm_runner.max_step_rows is None  # float weights on the CPU: no limit
     assert smollm_runner.draft_limit(16) == 16
-    monkeypatch.setattr(LocalRunner, "max_step_rows", property(lambda self: 4))
+    monkeypatch.setattr(smollm_runner, "max_step_rows", 4)
     assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
     step_rows = []
     forward = LocalRunner.forward

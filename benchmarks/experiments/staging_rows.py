@@ -17,7 +17,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_bench as kb  # noqa: E402
 
-from specserve.engine.batch import Batch  # noqa: E402
 from specserve.kernels import linear_cuda  # noqa: E402
 
 RULE = "#define MU (SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))"
@@ -56,11 +55,7 @@ def model_gpu_us() -> dict[int, float]:
     os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
     runner = kb.make_runner("gguf_like")
     runner.warmup(17, prompt_rows=0)
-    runner.kv_truncate(0, 0)
-    b = Batch()
-    b.add_sequence(list(range(600)), 0, 0, "last")
-    runner.forward(b)
-    return {r: round(kb.replay_us(kb.graph_at(runner, r)), 1) for r in (1, 2, 4, 8, 9, 16)}
+    return {r: round(us, 1) for r, us in kb.step_gpu_us(runner).items()}
 
 
 def main() -> None:

@@ -61,18 +61,17 @@ class GraphCache:
         self.copied = torch.cuda.Event()  # the last upload from `host` has finished
 
     @staticmethod
-    def one_logit_row(batch: Batch) -> bool:
+    def one_logit_row(n_rows: int, n_wanted: int) -> bool:
         """Batches past the step sizes that want at most one row's logits (prompt chunks) take the
         graphs that compute just that row's."""
-        return len(batch) > ONE_ROW_FROM and len(batch.logit_rows()) <= 1
+        return n_rows > ONE_ROW_FROM and n_wanted <= 1
 
-    def _bucket(self, batch: Batch) -> tuple[int, bool] | None:
-        one = self.one_logit_row(batch)
-        rows = bucket_for(len(batch), self.max_prompt_rows if one else self.max_rows)
+    def graph_key(self, n_rows: int, n_wanted: int) -> tuple[int, bool] | None:
+        """The graph a batch of n_rows rows wanting n_wanted rows' logits replays: (bucket, one logit
+        row), or None (none does: the eager path)."""
+        one = self.one_logit_row(n_rows, n_wanted)
+        rows = bucket_for(n_rows, self.max_prompt_rows if one else self.max_rows)
         return None if rows is None else (rows, one)
-
-    def supports(self, batch: Batch) -> bool:
-        return self._bucket(batch) is not None
 
     def _pad_rows(self, inputs: torch.Tensor, start: int) -> None:
         inputs[0, start:] = 0
@@ -110,15 +109,17 @@ class GraphCache:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """The logits of the batch's wanted rows, or None where no graph takes it."""
         n = len(batch)
-        key = self._bucket(batch)
-        assert key is not None
+        wanted = batch.logit_rows()
+        key = self.graph_key(n, len(wanted))
+        if key is None:
+            return None
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
         graph, static_in, static_out = self.graphs[key]
         rows, one = key
-        wanted = batch.logit_rows()
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         host = self.host[: static_in.shape[0], :rows]
         host[:3, :n] = torch.tensor((batch.tokens, batch.positions, batch.seq_ids))

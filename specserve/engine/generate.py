@@ -124,6 +124,7 @@ def generate(
                                                        speculator, n_draft_max, n_draft_min, stats)
             return
         pending = [token]
+        max_draft = runner.draft_limit(n_draft_max)
         while True:
             if (yield from _hand_out(pending, n_predict, is_eog, stats)):
                 return
@@ -135,7 +136,7 @@ def generate(
                 return
             draft: list[int] = []
             if speculator is not None:
-                limit = min(runner.draft_limit(n_draft_max), n_predict - stats.generated - 1, room)
+                limit = min(max_draft, n_predict - stats.generated - 1, room)
                 if limit > 0:
                     draft = speculator.draft(history, token, limit, n_draft_min)
             batch = Batch()
@@ -212,8 +213,8 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
     when it is wrong), and a verify step of [that token, *draft[1:]] follows when it is right.
     history: tokens in the KV cache (`token`, sampled, is not yet evaluated)."""
     chain: GreedyChain | None = None
-    chain_stale = True  # the chain's device state lags behind (a verify step ran since it was set)
     out = [token]  # tokens to hand out, then `token` is their last
+    max_draft = runner.draft_limit(n_draft_max)
 
     def verify(tokens: list[int], draft: list[int], position: int) -> list[int]:
         """Evaluate tokens (the last sampled one, then draft) at position..; the accepted draft prefix
@@ -239,21 +240,18 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                 stats.stop_reason = "context"
                 return
             queued = chain is not None and chain.in_flight > 0  # a step evaluating `token` runs
-            limit = min(runner.draft_limit(n_draft_max), n_predict - stats.generated - 1, room)
+            limit = min(max_draft, n_predict - stats.generated - 1, room)
             draft = speculator.draft(history, token, limit, n_draft_min) if limit > 0 else []
             if draft and not queued:
                 pending = verify([token, *draft], draft, position)
                 speculator.accept(len(pending) - 1)
                 history += [token, *pending[:-1]]
                 out = pending
-                chain_stale = True
                 continue
-            if chain is None or (chain_stale and not queued):
-                if chain is None:
-                    chain = GreedyChain(runner, seq, token, position)
-                else:
-                    chain.restart(token, position)
-                chain_stale = False
+            if chain is None:
+                chain = GreedyChain(runner, seq, token, position)
+            elif not queued and chain.position != position:  # verify steps ran since its last step
+                chain.restart(token, position)
             if not queued:
                 chain.submit()  # evaluates `token`
             if not draft and n_predict - stats.generated >= 2 and chain.position < runner.n_ctx:
@@ -273,7 +271,6 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                     speculator.accept(len(pending))
                     history += [nxt, *pending[:-1]]
                     out = [nxt, *pending]
-                    chain_stale = True
     finally:
         if chain is not None:
             chain.close(len(history))

@@ -94,6 +94,11 @@ class LocalRunner:
             dtype=self.dtype, device=self.device,
         )
         self.seq_len = [0] * n_seqs
+        # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
+        # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
+        # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
+        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
+                              else None)
         self.graphs = GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs) if use_graphs else None
         self._chain: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None
         freeze_gc()
@@ -110,17 +115,6 @@ class LocalRunner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def max_step_rows(self) -> int | None:
-        """The most rows a step evaluates in one pass of each product, or None (no such limit).
-
-        Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as
-        slices: a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one
-        (about 1.7x a 16-row step), so speculative steps keep their drafts within this."""
-        if self.weight_format != "float" and triton_enabled(self.weights.embed):
-            return MAX_GEMV_ROWS
-        return None
-
     def draft_limit(self, n_max: int) -> int:
         """n_max drafts, fewer where a step of 1 + n_max rows would take a second pass."""
         rows = self.max_step_rows
@@ -130,9 +124,8 @@ class LocalRunner:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         runs = batch.runs()
         self._check(batch, runs)
-        if self.graphs is not None and self.graphs.supports(batch):
-            logits = self.graphs.run(batch)
-        else:
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # no graph takes a batch of this shape
             logits = self._forward_eager(batch, runs)
         # Writing at position p makes p the sequence's end: later entries are stale.
         for seq, _start, _end, kv_len in runs:
