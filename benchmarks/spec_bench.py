@@ -24,7 +24,7 @@ from specserve.speculative.base import SpecParams  # noqa: E402
 from specserve.speculative.factory import build_chain  # noqa: E402
 from specserve.workloads import load_workloads  # noqa: E402
 
-TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft"]
+TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix", "draft"]
 
 
 def run_type(session: GenerationSession, prompts: list[list[int]], spec_type: str, base: SpecParams,

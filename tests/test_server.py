@@ -152,6 +152,19 @@ def test_completion_speculative_fields(server: ServerProcess) -> None:
     assert clamped["generation_settings"]["speculative.ngram_c_rate"] == 1
 
 
+def test_completion_ngram_suffix(server: ServerProcess) -> None:
+    """Our own draft-free type through the server: same text, drafts counted under its own label."""
+    before = metrics(server)
+    plain = server.complete(REPEATING, n_predict=16)
+    spec = server.complete(REPEATING, n_predict=16, **{"speculative.type": "ngram-suffix"})
+    assert spec["content"] == plain["content"]
+    assert spec["generation_settings"]["speculative.type"] == "ngram-suffix"
+    assert 0 < spec["timings"]["draft_n_accepted"] <= spec["timings"]["draft_n"]
+    label = (("type", "ngram_suffix"),)
+    assert metrics(server)[("llamacpp:draft_tokens_total", label)] - before.get(
+        ("llamacpp:draft_tokens_total", label), 0.0) == spec["timings"]["draft_n"]
+
+
 def test_completion_stream_native(server: ServerProcess) -> None:
     events = list(server.stream("/completion", {"prompt": "Once upon a time", "n_predict": 10,
                                                 "temperature": 0, "stream": True}))

@@ -41,6 +41,7 @@ NGRAM_TYPES = {
     "ngram-map-k": SpecParams(type="ngram-map-k", ngram_size_n=4, ngram_size_m=8),
     "ngram-map-k4v": SpecParams(type="ngram-map-k4v", ngram_size_n=2, ngram_size_m=4),
     "ngram-cache": SpecParams(type="ngram-cache"),
+    "ngram-suffix": SpecParams(type="ngram-suffix"),
 }
 
 

@@ -20,7 +20,7 @@ from tests.conftest import model_path
 
 pytestmark = pytest.mark.slow
 N_PREDICT = 40
-TYPES = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft"]
+TYPES = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix", "draft"]
 
 
 @pytest.fixture(scope="module")
@@ -55,5 +55,5 @@ def test_qwen_pair_identical(pair, plain, spec_type: str) -> None:
     stats = run(pair, spec_type)
     assert stats.tokens == plain.tokens
     assert stats.draft_tokens > 0
-    if spec_type in ("ngram-simple", "ngram-cache", "draft"):
+    if spec_type in ("ngram-simple", "ngram-cache", "ngram-suffix", "draft"):
         assert stats.target_forwards < plain.target_forwards

@@ -7,9 +7,9 @@ from dataclasses import dataclass, fields, replace
 
 from specserve.errors import SpecserveError
 
-SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix")
 # Types selectable with --spec-type / speculative.type ("draft" follows from a draft model).
-SELECTABLE_TYPES = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-map-k4v")
+SELECTABLE_TYPES = ("none", "ngram-cache", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-suffix")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from specserve.speculative.draft_model import DraftModelSpeculator
 from specserve.speculative.ngram_cache import NgramCacheSpeculator
 from specserve.speculative.ngram_map import NgramMap
 from specserve.speculative.ngram_simple import NgramSimple
+from specserve.speculative.ngram_suffix import NgramSuffix
 
 
 def build_chain(params: SpecParams, draft_runner: LocalRunner | None = None, seq: int = 0) -> Chain | None:
@@ -19,6 +20,8 @@ def build_chain(params: SpecParams, draft_runner: LocalRunner | None = None, seq
         members.append(NgramMap(params, key_only=params.type == "ngram-map-k"))
     elif params.type == "ngram-cache":
         members.append(NgramCacheSpeculator(params))
+    elif params.type == "ngram-suffix":
+        members.append(NgramSuffix(params))
     if draft_runner is not None:
         members.append(DraftModelSpeculator(draft_runner, params.p_min, seq))
     return Chain(members) if members else None
