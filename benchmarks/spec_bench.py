@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=256)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--device", default=None)
+    ap.add_argument("--weight-format", default="auto", help="as `specserve serve --weight-format`")
     ap.add_argument("--draft-max", type=int, default=16)
     ap.add_argument("--spec-ngram-size-n", type=int, default=SpecParams.ngram_size_n)
     ap.add_argument("--spec-ngram-size-m", type=int, default=SpecParams.ngram_size_m)
@@ -62,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t != "draft" or args.model_draft]
     session = GenerationSession.load(args.model, draft_model=args.model_draft, device=args.device, n_ctx=4096,
-                                     progress=False)
+                                     progress=False, weight_format=args.weight_format)
     for runner in (session.runner, session.draft_runner):
         if runner is not None:
             runner.warmup(args.draft_max + 1)
@@ -87,11 +88,13 @@ def main() -> None:
         print(f"{r['category']:<10} {r['type']:<14} {r['tokens_per_forward']:>8} {acc:>7} {r['tokens_per_s']:>8}"
               f" {r['speedup']:>7}x {r['identical_to_none']}")
     device = str(session.runner.device)
-    out = Path(args.output or f"benchmarks/results/spec_{args.model}_{session.runner.device.type}.json")
+    fmt = "" if session.runner.weight_format == "float" else f"_{session.runner.weight_format}"
+    out = Path(args.output or f"benchmarks/results/spec_{args.model}_{session.runner.device.type}{fmt}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in results:
         r.pop("outputs")
     meta = {"model": args.model, "draft": args.model_draft, "n_predict": args.n_predict, "device": device,
+            "weight_format": session.runner.weight_format,
             "draft_max": args.draft_max, "ngram_size_n": args.spec_ngram_size_n,
             "ngram_size_m": args.spec_ngram_size_m}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
