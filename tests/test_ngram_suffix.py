@@ -6,7 +6,7 @@ import random
 
 from specserve.speculative.base import SELECTABLE_TYPES, SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.speculative.ngram_suffix import DRAFT_BEYOND_MATCH, NgramSuffix, SuffixIndex
+from specserve.speculative.ngram_suffix import DRAFT_BEYOND_MATCH, LONGEST, NgramSuffix, SuffixIndex
 
 
 def make(n: int = 12, m: int = 48) -> NgramSuffix:
@@ -52,6 +52,10 @@ def test_draft_length_follows_the_match_length() -> None:
     assert make(n=4).draft(history, body[10], n_max=64) == body[11:11 + 4 + DRAFT_BEYOND_MATCH]
     assert make(m=5).draft(history, body[10], n_max=64) == body[11:16]
     assert make().draft(history, body[10], n_max=2) == body[11:13]
+    long_body = list(range(100, 200))
+    long_history = long_body + [0] + long_body[:60]
+    draft = make(n=1024, m=1024).draft(long_history, long_body[60], n_max=1024)
+    assert draft == long_body[61:61 + LONGEST + DRAFT_BEYOND_MATCH]  # n is capped at LONGEST
 
 
 def test_unseen_token_gives_no_draft() -> None:

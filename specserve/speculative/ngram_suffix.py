@@ -17,6 +17,7 @@ from specserve.speculative.base import SpecParams, Speculator
 # A match of k tokens earns a draft of k + DRAFT_BEYOND_MATCH tokens (at most m, at most n_max).
 DRAFT_BEYOND_MATCH = 3
 BULK = 32  # index more new tokens than this per k-gram length, fewer per position
+LONGEST = 32  # the longest suffix looked up, whatever n says: the index costs O(longest) a token
 
 
 class SuffixIndex:
@@ -88,7 +89,7 @@ class NgramSuffix(Speculator):
     def __init__(self, params: SpecParams):
         super().__init__()
         self.size_m = params.ngram_size_m  # most tokens copied after a match
-        self._index = SuffixIndex(params.ngram_size_n)  # longest suffix looked up
+        self._index = SuffixIndex(min(params.ngram_size_n, LONGEST))  # longest suffix looked up
 
     def begin(self, prompt: list[int]) -> None:
         self._index.reset()
