@@ -11,7 +11,26 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 
 
-class NgramIndex:
+class HistoryIndex:
+    """What an index over one append-only history tracks: how much of it was indexed, and whether the
+    history passed now continues that one (else it is another history: start over)."""
+
+    def reset(self) -> None:
+        self._length = 0  # history length indexed so far
+        self._last = -1  # history[_length - 1] then: a different token means another history
+
+    def _indexed_length(self, history: list[int]) -> int:
+        """How much of `history` is indexed already (0 after a reset for another history)."""
+        if len(history) < self._length or (self._length and history[self._length - 1] != self._last):
+            self.reset()
+        return self._length
+
+    def _indexed(self, history: list[int]) -> None:
+        self._length = len(history)
+        self._last = history[-1] if history else -1
+
+
+class NgramIndex(HistoryIndex):
     """n-gram -> ascending start positions in one append-only history."""
 
     def __init__(self, n: int):
@@ -19,20 +38,16 @@ class NgramIndex:
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self._positions: dict[tuple[int, ...], list[int]] = {}
-        self._length = 0  # history length indexed so far
-        self._last = -1  # history[_length - 1] then: a different token means another history
 
     def update(self, history: list[int]) -> None:
         """Index the n-grams the history gained since the last call (or all of it, if it is not a
         continuation of what was indexed)."""
-        if len(history) < self._length or (self._length and history[self._length - 1] != self._last):
-            self.reset()
         n = self.n
-        for j in range(max(0, self._length - n + 1), len(history) - n + 1):
+        for j in range(max(0, self._indexed_length(history) - n + 1), len(history) - n + 1):
             self._positions.setdefault(tuple(history[j:j + n]), []).append(j)
-        self._length = len(history)
-        self._last = history[-1] if history else -1
+        self._indexed(history)
 
     def latest(self, ngram: list[int], hi: int, lo: int = 0) -> int | None:
         """The highest start j with lo < j <= hi; None if there is none."""

@@ -13,6 +13,7 @@ ngram-map-k's tokens per forward pass on the code edits and 1.7x on the quoting 
 from __future__ import annotations
 
 from specserve.speculative.base import SpecParams, Speculator
+from specserve.speculative.ngram_index import HistoryIndex
 
 # A match of k tokens earns a draft of k + DRAFT_BEYOND_MATCH tokens (at most m, at most n_max).
 DRAFT_BEYOND_MATCH = 3
@@ -20,7 +21,7 @@ BULK = 32  # index more new tokens than this per k-gram length, fewer per positi
 LONGEST = 32  # the longest suffix looked up, whatever n says: the index costs O(longest) a token
 
 
-class SuffixIndex:
+class SuffixIndex(HistoryIndex):
     """The latest end position of every k-gram (k = 1..longest) of an append-only history.
 
     Keys are the k-grams' hashes (a collision is caught by comparing the tokens), so memory stays at
@@ -32,27 +33,24 @@ class SuffixIndex:
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self._latest: list[dict[int, int]] = [{} for _ in range(self.longest)]  # [k - 1]: hash -> end
-        self._length = 0  # history length indexed so far
-        self._last = -1  # history[_length - 1] then: a different token means another history
 
     def update(self, history: list[int]) -> None:
         """Index the k-grams ending at the positions the history gained (all of it, if it is not a
         continuation of what was indexed)."""
-        if len(history) < self._length or (self._length and history[self._length - 1] != self._last):
-            self.reset()
-        if len(history) - self._length > BULK:  # a prompt: the k-grams of each length at once (3x faster)
+        start = self._indexed_length(history)
+        if len(history) - start > BULK:  # a prompt: the k-grams of each length at once (3x faster)
             for k, latest in enumerate(self._latest, start=1):
-                first = max(self._length, k - 1)  # the first end a k-gram can have
+                first = max(start, k - 1)  # the first end a k-gram can have
                 grams = zip(*(history[first - k + 1 + i:] for i in range(k)), strict=False)  # shortest: the last
                 latest.update(zip(map(hash, grams), range(first, len(history)), strict=True))  # later ends win
         else:  # a few accepted tokens: per position (no setup per length)
-            for end in range(self._length, len(history)):
+            for end in range(start, len(history)):
                 window = tuple(history[max(0, end - self.longest + 1):end + 1])
                 for k, latest in enumerate(self._latest[:len(window)], start=1):
                     latest[hash(window[-k:])] = end
-        self._length = len(history)
-        self._last = history[-1] if history else -1
+        self._indexed(history)
 
     def _earlier_end(self, history: list[int], last: int, k: int) -> int | None:
         """Latest indexed end of the k tokens ending with `last` (history's last k - 1, then last)."""
