@@ -46,7 +46,7 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
     runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=5),
                                         n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
                for graphs in (True, False)]
-    assert runners[0].max_step_rows == 16  # drafts fit the kernels a decode step takes (one pass)
+    assert runners[0].max_step_rows == (16 if weight_format == "gguf" else None)  # drafts fit one kernel pass
     runners[0].warmup(1, prompt_rows=40)
     assert (48, True) in runners[0].graphs.graphs  # captured by the warm-up (bucket 48 holds 40 rows)
     prompt = [(11 * i + 5) % cfg.vocab_size for i in range(700)]

@@ -220,51 +220,6 @@ def test_quantized_verify_rows_compute_what_decode_computes() -> None:
         assert torch.equal(linear(x[:rows], qw), singles[:rows])
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the 1.5B model's shapes: GPU only")
-@pytest.mark.parametrize(("n_out", "k"), [(2048, 1536), (1536, 8960), (17920, 1536), (151936, 1536)])
-def test_float_verify_rows_compute_what_decode_computes(n_out: int, k: int) -> None:
-    """Float matrices (wqkv, down, gate_up, output of the 1.5B model): each row of a 2..16-row product is
-    bit for bit that row alone, so a verify step's argmax is a decode step's (greedy speculation)."""
-    from specserve.kernels.linear import MAX_GEMV_ROWS, linear
-
-    w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
-    x = torch.randn(MAX_GEMV_ROWS, k, device=DEVICE).to(DTYPE)
-    singles = torch.cat([linear(x[i:i + 1], w) for i in range(MAX_GEMV_ROWS)])
-    for rows in (2, 3, 8, 9, MAX_GEMV_ROWS):
-        assert torch.equal(linear(x[:rows], w), singles[:rows])
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the kernels a decode step takes on the GPU")
-@pytest.mark.parametrize("weight_format", ["float", "q8"])
-def test_verify_step_computes_what_decode_steps_compute(weight_format: str) -> None:
-    """The whole forward of a verify step (8 rows) gives, bit for bit, the logits of the 8 decode steps
-    it stands for: what makes greedy speculation's text plain greedy's."""
-    import dataclasses
-
-    from specserve.model.random_init import SHAPES, random_weights
-    from specserve.model.transformer import Transformer
-    from specserve.model.weights import quantize_weights
-
-    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
-                              head_dim=64, ffn=512, vocab_size=300)
-    model = Transformer(cfg, quantize_weights(random_weights(cfg, DTYPE, DEVICE, seed=3), weight_format), 64)
-
-    def step(kv: torch.Tensor, pos: list[int]) -> torch.Tensor:
-        p = torch.tensor(pos, device=DEVICE)
-        return model.forward((p * 37 + 5) % cfg.vocab_size, p, torch.zeros_like(p), None,
-                             [(0, 0, len(pos), pos[-1] + 1)], kv)
-
-    kvs = [torch.zeros(cfg.n_layers, 2, 1, cfg.n_kv_heads, 64, cfg.head_dim, device=DEVICE, dtype=DTYPE)
-           for _ in range(2)]
-    for kv in kvs:
-        step(kv, list(range(20)))  # the prompt
-    verify = list(range(20, 28))
-    together = step(kvs[0], verify)
-    singles = torch.cat([step(kvs[1], [p]) for p in verify])
-    assert torch.equal(together, singles)
-    assert torch.equal(kvs[0], kvs[1])
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 @pytest.mark.parametrize("fmt", ["k32min", "k16"])
 @pytest.mark.parametrize("n_ff", [256, 264])  # 264: the last tile's 8 gate rows start past a 16-row boundary

@@ -94,11 +94,11 @@ class LocalRunner:
             dtype=self.dtype, device=self.device,
         )
         self.seq_len = [0] * n_seqs
-        # On CUDA, products of up to MAX_GEMV_ROWS rows take the kernels decode steps take; packed weights
-        # run more rows as slices (a 17-row step costs a 16-row pass plus an 8-row one, ~1.5x a 16-row
-        # step on the 1.5B model), float weights cuBLAS (another summation order than a decode step's).
-        # So speculative steps keep their drafts within this (None: no limit).
-        self.max_step_rows = MAX_GEMV_ROWS if triton_enabled(weights.embed) else None
+        # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
+        # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
+        # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
+        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
+                              else None)
         self.graphs = GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs) if use_graphs else None
         self._chain: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None
         freeze_gc()

@@ -150,12 +150,9 @@ def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, sil
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _triton_gemv_float() -> bool:
-    """Float matrices take the Triton kernel for 1..MAX_GEMV_ROWS rows, with one block shape per matrix
-    whatever the row count: a verify step sums each row in the order a decode step does, so greedy
-    speculation gives plain greedy's text bit for bit (cuBLAS, which several rows took before, sums in
-    another order, and bf16 near-ties flipped). SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs."""
-    return os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
+def _triton_gemv_float(rows: int) -> bool:
+    """One row over a float matrix (SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs)."""
+    return rows == 1 and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
@@ -168,7 +165,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
         kernel = linear_cuda.usable(x, w, bias, out_dtype or x.dtype)
         if kernel:
             return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
-    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float()):
+    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 
         return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)

@@ -7,9 +7,9 @@ trick; `_gemv_quant_dot_kernel` takes 1..16 rows on tensor cores, each bit field
 the activation dtype for its own dot. On an H200 both ran at a third of the bandwidth or less
 (benchmarks/results/kernel_notes.md, v4), hence the CUDA C kernel.
 
-Float weights (`_gemv_float_kernel`): a tensor-core dot over the rows padded to 16, fixed blocks per
-shape whatever the row count (`pick_float_blocks`), so each row sums alike in decode and verify steps.
-The kernels fuse SwiGLU of a gate|up input (SILU_IN) and the bias.
+Float weights (`_gemv_float_kernel`): one row on CUDA cores with few columns per program so
+every SM has work, wide matrices and more rows through a tensor-core dot; fixed blocks per
+shape (`pick_float_blocks`). The kernels fuse SwiGLU of a gate|up input (SILU_IN) and the bias.
 """
 
 from __future__ import annotations
@@ -144,26 +144,33 @@ def _gemv_float_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.cons
         k_mask = k < K
         xt = _load_x(x_ptr, m[:, None] * stride_xm + k[None, :], m_mask[:, None] & k_mask[None, :], K, SILU_IN)
         w = tl.load(w_ptr + n64[:, None] * K + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+        if BLOCK_M == 1:
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        else:
+            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def pick_float_blocks(n_out: int, k: int) -> dict[str, int]:
-    """Fixed blocks for the float kernel (BLOCK_M 16: rows padded to 16 for a tensor-core dot), from
-    the shape only: timing-based tuning picked different blocks on different runs (wo: 1x2048 or
-    4x2048), and the row count picked a CUDA-core kernel for one row, both other summation orders,
-    so greedy text could change between restarts or with speculation at bf16 near-ties. Configs
-    that tuning chose on an H200 (kernel_bench_v2.json)."""
+def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, int]]:
+    """BLOCK_M and fixed blocks for the float kernel. Fixed, not timed at start-up: timing-based
+    tuning picked different blocks on different runs (wo: 1x2048 or 4x2048), hence other
+    summation orders, and greedy text could change between restarts at bf16 near-ties. These
+    are configs that tuning chose on an H200 (kernel_bench_v2.json)."""
+    cuda_cores = n_rows == 1 and n_out < 8192
     if INTERPRET:  # the interpreter runs every program in Python: few, small ones
-        return {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}
+        return (1 if cuda_cores else 16), {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}
+    if cuda_cores:  # few columns per program so that every SM has work
+        return 1, ({"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8} if k > 4096 else
+                   {"BLOCK_N": 1, "BLOCK_K": 2048, "num_warps": 4})
+    # tensor-core dot with the rows padded to 16
     if n_out > 65536:
-        return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+        return 16, {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
     if n_out >= 8192:
-        return {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+        return 16, {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return 16, {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 
 def pick_quant_blocks(n_rows: int, n_out: int, k: int, bits: int) -> tuple[str, dict[str, int]]:
@@ -201,10 +208,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
             _gemv_quant_dot_kernel[grid](*args, n_rows, n_out, x2.stride(0), k, **flags)
     else:
         assert w.is_contiguous()
-        cfg = pick_float_blocks(n_out, k)
+        block_m, cfg = pick_float_blocks(n_rows, n_out, k)
         _gemv_float_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
             x2, w, b, out, n_rows, n_out, x2.stride(0), k, HAS_BIAS=bias is not None, SILU_IN=silu_input,
-            BLOCK_M=16, **cfg)
+            BLOCK_M=block_m, **cfg)
     return out.view(*lead, n_out)
 
 
