@@ -66,7 +66,7 @@ def bench_prefill(runner: LocalRunner, n: int, reps: int = 3) -> float:
 
 
 # Rows of the timed steps: decode, verify steps of 1..16 drafts, and one past the largest one-pass step.
-STEP_ROWS = (1, 2, 4, 8, 9, 16, 17)
+TIMED_STEP_ROWS = (1, 2, 4, 8, 9, 16, 17)
 
 
 def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int = 64) -> float:
@@ -197,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows.append((f"pp{args.n_prompt}", pp, ""))
     tg = bench_decode(runner, args.n_gen)
     rows.append((f"tg{args.n_gen}", tg, ""))
-    step_ms = {n: bench_step(runner, n) * 1e3 for n in STEP_ROWS}
+    step_ms = {n: bench_step(runner, n) * 1e3 for n in TIMED_STEP_ROWS}
     result.update({f"pp{args.n_prompt}": round(pp, 1), f"tg{args.n_gen}": round(tg, 1),
                    "decode_step_ms": round(step_ms[1], 3), "verify8_step_ms": round(step_ms[9], 3),
                    "verify8_over_decode": round(step_ms[9] / step_ms[1], 3),

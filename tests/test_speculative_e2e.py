@@ -136,4 +136,4 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
     assert stats.tokens == plain_greedy.tokens
     verify_rows = step_rows[1:]  # after the prompt's one chunk (plain steps run as a GreedyChain)
-    assert verify_rows and max(verify_rows) <= 4 and stats.draft_accepted > 0
+    assert max(verify_rows) == 4 and stats.draft_accepted > 0  # drafts of 8 cut to 3, never past

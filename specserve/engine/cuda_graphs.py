@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from specserve.engine.batch import Batch
@@ -74,7 +75,7 @@ class GraphCache:
         rows = bucket_for(n_rows, self.max_prompt_rows if one else self.max_rows)
         return None if rows is None else (rows, one)
 
-    def _pad_rows(self, inputs: torch.Tensor, start: int) -> None:
+    def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int) -> None:
         inputs[0, start:] = 0
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
@@ -124,12 +125,11 @@ class GraphCache:
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         # Written through numpy: a torch op costs ~10 us of host time, and these writes sit between
         # one step's result and the next step's launch.
-        host = self.host_np
+        host = self.host_np[:, :rows]
         host[0, :n] = batch.tokens
         host[1, :n] = batch.positions
         host[2, :n] = batch.seq_ids
-        host[:2, n:rows] = 0
-        host[2, n:rows] = self.pad_seq
+        self._pad_rows(host, n)
         if one:
             host[3, 0] = wanted[0] if wanted else 0
         static_in.copy_(self.host[: static_in.shape[0], :rows], non_blocking=True)

@@ -216,11 +216,11 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
     out = [token]  # tokens to hand out, then `token` is their last
     max_draft = runner.draft_limit(n_draft_max)
 
-    def verify(tokens: list[int], draft: list[int], position: int) -> list[int]:
-        """Evaluate tokens (the last sampled one, then draft) at position..; the accepted draft prefix
+    def verify(first: int, draft: list[int], position: int) -> list[int]:
+        """Evaluate [first (the last sampled token), *draft] at position..; the accepted draft prefix
         and one new token."""
         batch = Batch()
-        batch.add_sequence(tokens, position, seq, "all")
+        batch.add_sequence([first, *draft], position, seq, "all")
         logits = runner.forward(batch)
         stats.target_forwards += 1
         stats.draft_tokens += len(draft)
@@ -243,7 +243,7 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
             limit = min(max_draft, n_predict - stats.generated - 1, room)
             draft = speculator.draft(history, token, limit, n_draft_min) if limit > 0 else []
             if draft and not queued:
-                pending = verify([token, *draft], draft, position)
+                pending = verify(token, draft, position)
                 speculator.accept(len(pending) - 1)
                 history += [token, *pending[:-1]]
                 out = pending
@@ -267,7 +267,7 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                 elif len(draft) == 1:
                     speculator.accept(1)
                 else:
-                    pending = verify([nxt, *draft[1:]], draft[1:], position + 1)
+                    pending = verify(nxt, draft[1:], position + 1)
                     speculator.accept(len(pending))
                     history += [nxt, *pending[:-1]]
                     out = [nxt, *pending]

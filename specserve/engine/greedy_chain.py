@@ -25,20 +25,19 @@ class GreedyChain:
     def __init__(self, runner: LocalRunner, seq: int, token: int, position: int):
         self.runner = runner
         self.seq = seq
-        self.position = position  # where the next queued step writes
         self.state, self._step = runner.greedy_step()
-        self.state.copy_(torch.tensor([[token], [position], [seq]], dtype=torch.long))
         cuda = runner.device.type == "cuda"
         self._host = torch.zeros(DEPTH, dtype=torch.long, pin_memory=cuda)
         self._events = [torch.cuda.Event() for _ in range(DEPTH)] if cuda else []
         self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
         self._n_submitted = 0
+        self.restart(token, position)
 
     def restart(self, token: int, position: int) -> None:
-        """Continue from `token` at `position` (after steps that ran outside the chain)."""
+        """Continue from `token` at `position` (at the start, and after steps that ran outside the chain)."""
         assert not self._queued, "restart with steps in flight"
         self.state.copy_(torch.tensor([[token], [position], [self.seq]], dtype=torch.long))
-        self.position = position
+        self.position = position  # where the next queued step writes
 
     @property
     def in_flight(self) -> int:

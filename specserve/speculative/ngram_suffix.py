@@ -64,18 +64,18 @@ class SuffixIndex(HistoryIndex):
         """(k, end): the longest run of history's last k - 1 tokens then `last` (k <= longest) that
         ends at an indexed position, and the latest such end; None when `last` was never seen. The
         indexed history is `history`, so every match is an earlier occurrence."""
-        if self._earlier_end(history, last, 1) is None:
+        end = self._earlier_end(history, last, 1)
+        if end is None:
             return None
         # A run that occurred before contains shorter ones that did too: binary search its length.
         lo, hi = 1, min(self.longest, len(history))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._earlier_end(history, last, mid) is None:
+            found = self._earlier_end(history, last, mid)
+            if found is None:
                 hi = mid - 1
             else:
-                lo = mid
-        end = self._earlier_end(history, last, lo)
-        assert end is not None
+                lo, end = mid, found
         return lo, end
 
 
