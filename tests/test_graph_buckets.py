@@ -60,3 +60,39 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
     assert logits[0].shape == (1, cfg.vocab_size)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
     torch.testing.assert_close(runners[0].kv[:, :, 0, :, :700], runners[1].kv[:, :, 0, :, :700], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+@pytest.mark.parametrize("weight_format", ["float", "gguf"])
+def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
+    """forward_argmax() of steps of 1..40 rows (graphs with the argmax up to ARGMAX_ROWS, past it the
+    logits' argmax) gives the argmax of the eager pass's logits, and the same KV entries."""
+    import dataclasses
+
+    from specserve.engine.batch import Batch
+    from specserve.engine.cuda_graphs import ARGMAX_ROWS
+    from specserve.engine.runner import LocalRunner
+    from specserve.model.random_init import SHAPES, random_weights
+
+    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
+                              head_dim=64, ffn=512, vocab_size=300)
+    runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=7),
+                                        n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    prompt = [(13 * i + 2) % cfg.vocab_size for i in range(100)]
+    for rows in (1, 5, 16, 17, ARGMAX_ROWS, 40):
+        picked = []
+        for runner in runners:
+            runner.kv_truncate(0, 0)
+            b = Batch()
+            b.add_sequence(prompt, 0, 0, "none")
+            runner.forward(b)
+            step = Batch()
+            step.add_sequence([(7 * i + 1) % cfg.vocab_size for i in range(rows)], len(prompt), 0, "all")
+            picked.append(runner.forward_argmax(step).tolist())
+            assert runner.seq_len[0] == len(prompt) + rows
+        eager_logits = runners[1].forward(step)  # the same rows again, eagerly
+        assert picked[0] == picked[1] == eager_logits.argmax(dim=-1).tolist()
+        assert (bucket_for(rows, 256), False) in runners[0].graphs.graphs and len(picked[0]) == rows
+        torch.testing.assert_close(runners[0].kv[:, :, 0, :, :100 + rows], runners[1].kv[:, :, 0, :, :100 + rows],
+                                   rtol=0, atol=0)

@@ -27,9 +27,14 @@ class ScriptedDrafts:
         self.accepted: list[int] = []  # what accept() heard after each draft
         self.right: list[int] = []  # how many leading tokens of each draft were right
         self.drafted: list[int] = []
+        self.prepared: list[int] = []  # history lengths prepare() saw
 
     def begin(self, prompt: list[int]) -> None:
         pass
+
+    def prepare(self, history: list[int]) -> None:
+        assert history == self.text[:len(history)]  # only evaluated tokens, never a draft
+        self.prepared.append(len(history))
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         at = len(history) + 1  # where the draft's first token goes in self.text
@@ -139,6 +144,7 @@ def test_speculative_overlap_matches_step_by_step(smollm_runner: LocalRunner, n:
     assert smollm_runner.seq_len[0] == ref_kv
     assert stats.target_forwards + stats.draft_accepted == n - 1  # each token: a step's or an accepted draft
     assert spec.accepted == spec.right  # every draft is answered once, with how much of it was right
+    assert spec.prepared == sorted(spec.prepared)  # the history only grows
     if n == 40:
         assert stats.draft_accepted > 0 and stats.target_forwards < n - 1
         assert 0 in spec.accepted and max(spec.accepted) > 1

@@ -92,3 +92,31 @@ def test_drafts_agree_with_a_scan_on_text_with_repeats() -> None:
         match = scan_longest(history[:cut], history[cut], 12)
         expected = [] if match is None else (history[:cut] + [history[cut]])[match[1] + 1:][:min(16, match[0] + 3)]
         assert spec.draft(history[:cut], history[cut], n_max=16) == expected
+
+
+def test_positions_past_the_index_are_matched_as_if_indexed() -> None:
+    """A draft compares the positions the index has not taken yet (prepare() indexes them while the
+    device works) directly: same matches as a full index, ties going to the later position."""
+    rng = random.Random(5)
+    for longest in (1, 4, 12):
+        for _ in range(200):
+            history = [rng.randrange(4) for _ in range(rng.randrange(1, 60))]
+            index = SuffixIndex(longest)
+            index.update(history[:len(history) - rng.randrange(0, min(16, len(history)) + 1)])
+            last = rng.randrange(4)
+            assert index.longest_match(history, last) == scan_longest(history, last, longest)
+
+
+def test_drafts_do_not_depend_on_prepare() -> None:
+    rng = random.Random(9)
+    text = [rng.randrange(30) for _ in range(400)]
+    text[200:260] = text[20:80]  # a long copy
+    prepared, lazy = make(), make()
+    long_drafts = 0
+    for cut in range(100, len(text) - 1):
+        if cut % 3:
+            prepared.prepare(text[:cut])
+        draft = prepared.draft(text[:cut], text[cut], n_max=16)
+        assert draft == lazy.draft(text[:cut], text[cut], n_max=16)
+        long_drafts += len(draft) > 8
+    assert long_drafts > 20  # the copy was found

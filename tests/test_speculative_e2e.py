@@ -125,13 +125,13 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     monkeypatch.setattr(smollm_runner, "max_step_rows", 4)
     assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
     step_rows = []
-    forward = LocalRunner.forward
+    run_batch = LocalRunner._run  # what forward() and forward_argmax() run
 
-    def counting_forward(self, batch):
+    def counting_run(self, batch, argmax):
         step_rows.append(len(batch))
-        return forward(self, batch)
+        return run_batch(self, batch, argmax)
 
-    monkeypatch.setattr(LocalRunner, "forward", counting_forward)
+    monkeypatch.setattr(LocalRunner, "_run", counting_run)
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)
     stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
     assert stats.tokens == plain_greedy.tokens

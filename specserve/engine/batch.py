@@ -26,9 +26,13 @@ class Batch:
 
     def add_sequence(self, tokens: list[int], start_pos: int, seq: int, logits: str = "last") -> None:
         """Append consecutive tokens of one sequence; logits for "last", "all" or "none" rows."""
-        for i, tok in enumerate(tokens):
-            want = logits == "all" or (logits == "last" and i == len(tokens) - 1)
-            self.add(tok, start_pos + i, seq, want)
+        n = len(tokens)
+        self.tokens.extend(tokens)
+        self.positions.extend(range(start_pos, start_pos + n))
+        self.seq_ids.extend([seq] * n)
+        self.want_logits.extend([logits == "all"] * n)
+        if logits == "last" and n:
+            self.want_logits[-1] = True
 
     def __len__(self) -> int:
         return len(self.tokens)

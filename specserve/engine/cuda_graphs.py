@@ -8,13 +8,15 @@ Steps of up to 256 rows return logits for every row; the caller picks the rows i
 Batches of more than 16 rows that want one row's logits or none (prompt chunks) have graphs
 of their own, up to 512 rows, that compute the logits of that one row (its index is an input):
 an eager 512-row forward spends more time launching kernels (~0.1 ms of host time each over
-packed weights) than running them. The returned tensor is the graph's own output buffer: it is valid until the next
-forward.
+packed weights) than running them. Step graphs of up to ARGMAX_ROWS rows also take every row's argmax,
+which greedy verification reads instead of the logits (`run_argmax`). The returned tensor is the graph's
+own output buffer: it is valid until the next forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 STEP_ROWS = 256  # the largest step with logits for every row (its [rows, vocab] fp32 logits are kept)
 PROMPT_ROWS = 512  # the largest prompt chunk with a graph (generate()'s default chunk)
 ONE_ROW_FROM = 16  # batches of more rows wanting one row's logits or none take the one-row graphs
+ARGMAX_ROWS = 32  # step graphs of up to this many rows also take each row's argmax (a few us on the GPU)
 
 
 def bucket_for(n_rows: int, max_rows: int) -> int | None:
@@ -56,8 +59,9 @@ class GraphCache:
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
         # (rows, one logit row) -> graph, inputs [3, rows] (tokens, positions, sequences; with one logit
-        # row a 4th: its index in column 0), logits
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # row a 4th: its index in column 0), logits, argmax of each row's logits (None past ARGMAX_ROWS)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]] = {}
         self.host = torch.empty((4, max(BUCKETS)), dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()  # the same memory
         self.copied = torch.cuda.Event()  # the last upload from `host` has finished
@@ -80,7 +84,7 @@ class GraphCache:
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
         into this cache's memory pool; returns the graph and fn's output buffer."""
         stream = torch.cuda.Stream(self.device)
@@ -94,13 +98,20 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, key: tuple[int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    def _capture(self, key: tuple[int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor | None]:
         rows, one = key
         static_in = torch.zeros((4 if one else 3, rows), dtype=torch.long, device=self.device)
         self._pad_rows(static_in, 0)
         pick = static_in[3, :1] if one else None
-        graph, static_out = self.capture(lambda: self.forward(static_in[0], static_in[1], static_in[2], pick))
-        return graph, static_in, static_out
+        with_argmax = not one and rows <= ARGMAX_ROWS
+
+        def step() -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits = self.forward(static_in[0], static_in[1], static_in[2], pick)
+            return logits, logits.argmax(dim=-1) if with_argmax else None
+
+        graph, (static_out, static_argmax) = self.capture(step)
+        return graph, static_in, static_out, static_argmax
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
@@ -113,6 +124,34 @@ class GraphCache:
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """The logits of the batch's wanted rows, or None where no graph takes it."""
+        launched = self._launch(batch)
+        if launched is None:
+            return None
+        (rows, one), (_, _, static_out, _) = launched
+        n = len(batch)
+        wanted = batch.logit_rows()
+        if one:
+            return static_out[: len(wanted)]
+        if len(wanted) == n:
+            return static_out[:n]
+        return static_out[torch.tensor(wanted, device=self.device)]
+
+    def run_argmax(self, batch: Batch) -> torch.Tensor | None:
+        """The argmax of every row's logits (a batch wanting all of them) [rows], or None where no graph
+        takes it or takes the argmax."""
+        if len(batch) > ARGMAX_ROWS or len(batch.logit_rows()) != len(batch):
+            return None
+        launched = self._launch(batch)
+        if launched is None:
+            return None
+        argmax = launched[1][3]
+        assert argmax is not None  # the bucket of at most ARGMAX_ROWS rows has it
+        return argmax[: len(batch)]
+
+    def _launch(self, batch: Batch) -> tuple[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor | None]] | None:
+        """Replay the graph of the batch's shape on its rows (capturing it first if needed): (key, graph
+        entry), or None where no graph takes the batch."""
         n = len(batch)
         wanted = batch.logit_rows()
         key = self.graph_key(n, len(wanted))
@@ -120,7 +159,8 @@ class GraphCache:
             return None
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
-        graph, static_in, static_out = self.graphs[key]
+        entry = self.graphs[key]
+        graph, static_in = entry[0], entry[1]
         rows, one = key
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         # Written through numpy: a torch op costs ~10 us of host time, and these writes sit between
@@ -135,8 +175,4 @@ class GraphCache:
         static_in.copy_(self.host[: static_in.shape[0], :rows], non_blocking=True)
         self.copied.record()
         graph.replay()
-        if one:
-            return static_out[: len(wanted)]
-        if len(wanted) == n:
-            return static_out[:n]
-        return static_out[torch.tensor(wanted, device=self.device)]
+        return key, entry

@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.batch import Batch
 from specserve.engine.greedy_chain import DEPTH, GreedyChain
+from specserve.engine.host_copy import HostCopies
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler
 from specserve.errors import SpecserveError
@@ -25,6 +26,7 @@ class DraftSource(Protocol):
     """What generation needs of a speculator (a Speculator or a Chain)."""
 
     def begin(self, prompt: list[int]) -> None: ...
+    def prepare(self, history: list[int]) -> None: ...
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]: ...
     def accept(self, n_accepted: int) -> None: ...
     def end(self) -> None: ...
@@ -211,39 +213,49 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
     before the host waits, so the next draft is made while the device works. A draft made while
     the step evaluating `token` runs is checked against that step's token first (no extra work
     when it is wrong), and a verify step of [that token, *draft[1:]] follows when it is right.
+    Between a step's result and the next launch the host only drafts: the tokens before are handed
+    out, and the speculator does its bookkeeping (`prepare`), while the device works; a verify step
+    reads back just the argmax of each row.
     history: tokens in the KV cache (`token`, sampled, is not yet evaluated)."""
     chain: GreedyChain | None = None
     out = [token]  # tokens to hand out, then `token` is their last
     max_draft = runner.draft_limit(n_draft_max)
+    copies = HostCopies(runner.device, 1, max_draft + 1)
 
-    def verify(first: int, draft: list[int], position: int) -> list[int]:
-        """Evaluate [first (the last sampled token), *draft] at position..; the accepted draft prefix
-        and one new token."""
+    def launch_verify(first: int, draft: list[int], position: int) -> None:
+        """Queue the evaluation of [first (the last sampled token), *draft] at position.."""
         batch = Batch()
         batch.add_sequence([first, *draft], position, seq, "all")
-        logits = runner.forward(batch)
+        copies.start(0, runner.forward_argmax(batch))
         stats.target_forwards += 1
         stats.draft_tokens += len(draft)
-        pending = sampler.sample_and_verify(logits, draft)
+        speculator.prepare(history)
+
+    def verified(draft: list[int], position: int) -> list[int]:
+        """The launched verify step's accepted draft prefix and one new token."""
+        pending = sampler.accept(copies.read(0, len(draft) + 1), draft)
         stats.draft_accepted += len(pending) - 1
         runner.kv_truncate(seq, position + len(pending))
         return pending
 
     try:
         while True:
-            if (yield from _hand_out(out, n_predict, is_eog, stats)):
-                return
             token = out[-1]
             position = len(history)
             room = runner.n_ctx - position - 1  # positions left after `token`
-            if room < 0:
-                stats.stop_reason = "context"
+            left = n_predict - stats.generated - len(out)  # tokens wanted after `out`
+            if left <= 0 or room < 0 or any(map(is_eog, out)):
+                if not (yield from _hand_out(out, n_predict, is_eog, stats)):
+                    stats.stop_reason = "context"
                 return
+            # Handing out `out` cannot end the generation now: it happens once the next step is queued.
             queued = chain is not None and chain.in_flight > 0  # a step evaluating `token` runs
-            limit = min(max_draft, n_predict - stats.generated - 1, room)
+            limit = min(max_draft, left - 1, room)
             draft = speculator.draft(history, token, limit, n_draft_min) if limit > 0 else []
             if draft and not queued:
-                pending = verify(token, draft, position)
+                launch_verify(token, draft, position)
+                yield from _hand_out(out, n_predict, is_eog, stats)
+                pending = verified(draft, position)
                 speculator.accept(len(pending) - 1)
                 history += [token, *pending[:-1]]
                 out = pending
@@ -254,8 +266,10 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                 chain.restart(token, position)
             if not queued:
                 chain.submit()  # evaluates `token`
-            if not draft and n_predict - stats.generated >= 2 and chain.position < runner.n_ctx:
+            if not draft and left >= 2 and chain.position < runner.n_ctx:
                 chain.submit()  # evaluates the token after it, fed on the device: queued before the host waits
+            speculator.prepare(history)
+            yield from _hand_out(out, n_predict, is_eog, stats)
             nxt = chain.next_token()
             stats.target_forwards += 1
             sampler.accept([nxt], [])
@@ -267,10 +281,14 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                 elif len(draft) == 1:
                     speculator.accept(1)
                 else:
-                    pending = verify(nxt, draft[1:], position + 1)
+                    launch_verify(nxt, draft[1:], position + 1)
+                    pending = verified(draft[1:], position + 1)
                     speculator.accept(len(pending))
                     history += [nxt, *pending[:-1]]
                     out = [nxt, *pending]
     finally:
+        copies.wait(0)
         if chain is not None:
             chain.close(len(history))
+        else:
+            runner.kv_truncate(seq, len(history))

@@ -14,6 +14,7 @@ from collections import deque
 
 import torch
 
+from specserve.engine.host_copy import HostCopies
 from specserve.engine.runner import LocalRunner
 
 DEPTH = 2  # steps in flight: one running, one queued behind it
@@ -26,9 +27,10 @@ class GreedyChain:
         self.runner = runner
         self.seq = seq
         self.state, self._step = runner.greedy_step()
+        self._copies = HostCopies(runner.device, DEPTH, 1)
         cuda = runner.device.type == "cuda"
-        self._host = torch.zeros(DEPTH, dtype=torch.long, pin_memory=cuda)
-        self._events = [torch.cuda.Event() for _ in range(DEPTH)] if cuda else []
+        self._restart_host = torch.zeros((3, 1), dtype=torch.long, pin_memory=cuda)
+        self._uploaded = torch.cuda.Event() if cuda else None  # the last restart's upload has landed
         self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
         self._n_submitted = 0
         self.restart(token, position)
@@ -36,7 +38,13 @@ class GreedyChain:
     def restart(self, token: int, position: int) -> None:
         """Continue from `token` at `position` (at the start, and after steps that ran outside the chain)."""
         assert not self._queued, "restart with steps in flight"
-        self.state.copy_(torch.tensor([[token], [position], [self.seq]], dtype=torch.long))
+        # Through a pinned buffer (the device is idle here, waiting), never rewritten under its upload
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self._restart_host.numpy()[:, 0] = (token, position, self.seq)
+        self.state.copy_(self._restart_host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
         self.position = position  # where the next queued step writes
 
     @property
@@ -47,25 +55,18 @@ class GreedyChain:
         """Queue the next step (at most DEPTH in flight)."""
         assert self.in_flight < DEPTH
         slot = self._n_submitted % DEPTH
-        token = self._step(self.seq, self.position)
-        self._host[slot : slot + 1].copy_(token, non_blocking=True)
-        if self._events:
-            self._events[slot].record()
+        self._copies.start(slot, self._step(self.seq, self.position))
         self._queued.append(slot)
         self._n_submitted += 1
         self.position += 1
 
     def next_token(self) -> int:
         """The token picked by the oldest queued step (waits for that step only)."""
-        slot = self._queued.popleft()
-        if self._events:
-            self._events[slot].synchronize()
-        return int(self._host[slot])
+        return self._copies.read(self._queued.popleft(), 1)[0]
 
     def close(self, n_keep: int) -> None:
         """Wait for queued steps and keep the sequence's first n_keep KV entries."""
-        if self._events:
-            for slot in self._queued:
-                self._events[slot].synchronize()
+        for slot in self._queued:
+            self._copies.wait(slot)
         self._queued.clear()
         self.runner.kv_truncate(self.seq, n_keep)

@@ -122,15 +122,28 @@ class LocalRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
+        return self._run(batch, argmax=False)
+
+    def forward_argmax(self, batch: Batch) -> torch.Tensor:
+        """The argmax of every row's logits (a batch wanting all rows' logits), long [rows] on the device;
+        the batch's K/V enter the cache. Greedy verification reads these: step graphs take them."""
+        if len(batch.logit_rows()) != len(batch):
+            raise SpecserveError("forward_argmax() wants the logits of every row")
+        return self._run(batch, argmax=True)
+
+    def _run(self, batch: Batch, argmax: bool) -> torch.Tensor:
         runs = batch.runs()
         self._check(batch, runs)
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # no graph takes a batch of this shape
-            logits = self._forward_eager(batch, runs)
+        out = self.graphs.run_argmax(batch) if self.graphs is not None and argmax else None
+        if out is None:
+            logits = self.graphs.run(batch) if self.graphs is not None else None
+            if logits is None:  # no graph takes a batch of this shape
+                logits = self._forward_eager(batch, runs)
+            out = logits.argmax(dim=-1) if argmax else logits
         # Writing at position p makes p the sequence's end: later entries are stale.
         for seq, _start, _end, kv_len in runs:
             self.seq_len[seq] = kv_len
-        return logits
+        return out
 
     def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                            logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -201,9 +214,9 @@ class LocalRunner:
                 raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
             if kv_len > self.n_ctx:
                 raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
-        bad = [t for t in batch.tokens if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise SpecserveError(f"token id {bad[0]} out of range (vocabulary size {self.config.vocab_size})")
+        if not 0 <= min(batch.tokens) <= max(batch.tokens) < self.config.vocab_size:  # (C loops: on the step path)
+            bad = next(t for t in batch.tokens if not 0 <= t < self.config.vocab_size)
+            raise SpecserveError(f"token id {bad} out of range (vocabulary size {self.config.vocab_size})")
 
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""

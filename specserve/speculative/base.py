@@ -103,6 +103,10 @@ class Speculator(ABC):
     def begin(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once after the prompt is evaluated."""
 
+    def prepare(self, history: list[int]) -> None:  # noqa: B027 - optional hook
+        """Called while the device evaluates a step: bookkeeping for `history` (e.g. indexing it) that
+        the next draft() would otherwise do on the critical path. draft() must not depend on it."""
+
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""
         self.stats.calls += 1
@@ -153,6 +157,10 @@ class Chain:
     def begin(self, prompt: list[int]) -> None:
         for m in self.members:
             m.begin(prompt)
+
+    def prepare(self, history: list[int]) -> None:
+        for m in self.members:
+            m.prepare(history)
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         self._last = None

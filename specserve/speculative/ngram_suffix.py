@@ -18,6 +18,7 @@ from specserve.speculative.ngram_index import HistoryIndex
 # A match of k tokens earns a draft of k + DRAFT_BEYOND_MATCH tokens (at most m, at most n_max).
 DRAFT_BEYOND_MATCH = 3
 BULK = 32  # index more new tokens than this per k-gram length, fewer per position
+TAIL = 16  # a draft compares up to this many unindexed positions directly, indexes more first
 LONGEST = 32  # the longest suffix looked up, whatever n says: the index costs O(longest) a token
 
 
@@ -52,6 +53,10 @@ class SuffixIndex(HistoryIndex):
                     latest[hash(window[-k:])] = end
         self._indexed(history)
 
+    def unindexed(self, history: list[int]) -> int:
+        """Positions of `history` past what is indexed (all of it for another history)."""
+        return len(history) - self._indexed_length(history)
+
     def _earlier_end(self, history: list[int], last: int, k: int) -> int | None:
         """Latest indexed end of the k tokens ending with `last` (history's last k - 1, then last)."""
         suffix = history[len(history) - k + 1:] + [last]
@@ -62,8 +67,23 @@ class SuffixIndex(HistoryIndex):
 
     def longest_match(self, history: list[int], last: int) -> tuple[int, int] | None:
         """(k, end): the longest run of history's last k - 1 tokens then `last` (k <= longest) that
-        ends at an indexed position, and the latest such end; None when `last` was never seen. The
-        indexed history is `history`, so every match is an earlier occurrence."""
+        ends at an earlier position, and the latest such end; None when `last` was never seen. The
+        positions past what is indexed (a few accepted tokens, `prepare` indexes them while the device
+        works) are compared directly: they are later than any indexed one, so they win ties."""
+        indexed = len(history) - self.unindexed(history)
+        found = self._indexed_match(history, last)
+        suffix_end = len(history)  # `last` stands there
+        for end in range(len(history) - 1, indexed - 1, -1):
+            k = 0
+            while (k < self.longest and end - k >= 0
+                   and (history[end - k] == (last if k == 0 else history[suffix_end - k]))):
+                k += 1
+            if k and (found is None or k > found[0] or (k == found[0] and end > found[1])):
+                found = (k, end)
+        return found
+
+    def _indexed_match(self, history: list[int], last: int) -> tuple[int, int] | None:
+        """longest_match among the indexed ends (the history's k-grams checked, the index's ends trusted)."""
         end = self._earlier_end(history, last, 1)
         if end is None:
             return None
@@ -92,8 +112,12 @@ class NgramSuffix(Speculator):
     def begin(self, prompt: list[int]) -> None:
         self._index.reset()
 
-    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
+    def prepare(self, history: list[int]) -> None:
         self._index.update(history)
+
+    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
+        if self._index.unindexed(history) > TAIL:  # a prompt, or prepare() was not called
+            self._index.update(history)
         match = self._index.longest_match(history, last_sampled)
         if match is None:
             return []
