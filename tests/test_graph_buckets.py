@@ -65,7 +65,7 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
 @pytest.mark.parametrize("weight_format", ["float", "gguf"])
 def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
-    """forward_argmax() of steps of 1..40 rows (graphs with the argmax up to ARGMAX_ROWS, past it the
+    """step_argmax() of steps of 1..40 rows (graphs with the argmax up to ARGMAX_ROWS, past it the
     logits' argmax) gives the argmax of the eager pass's logits, and the same KV entries."""
     import dataclasses
 
@@ -87,10 +87,11 @@ def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
             b = Batch()
             b.add_sequence(prompt, 0, 0, "none")
             runner.forward(b)
-            step = Batch()
-            step.add_sequence([(7 * i + 1) % cfg.vocab_size for i in range(rows)], len(prompt), 0, "all")
-            picked.append(runner.forward_argmax(step).tolist())
+            step_tokens = [(7 * i + 1) % cfg.vocab_size for i in range(rows)]
+            picked.append(runner.step_argmax(0, step_tokens, len(prompt)).tolist())
             assert runner.seq_len[0] == len(prompt) + rows
+        step = Batch()
+        step.add_sequence(step_tokens, len(prompt), 0, "all")
         eager_logits = runners[1].forward(step)  # the same rows again, eagerly
         assert picked[0] == picked[1] == eager_logits.argmax(dim=-1).tolist()
         assert (bucket_for(rows, 256), False) in runners[0].graphs.graphs and len(picked[0]) == rows

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.engine.batch import Batch
 from specserve.engine.generate import prefill
+from specserve.errors import SpecserveError
 
 SEQS = [
     [1, 504, 3458, 314, 4234, 28, 9175, 30],
@@ -82,3 +84,24 @@ def test_kv_copy(smollm_runner) -> None:
     batch = Batch()
     batch.add(42, len(tokens), 3, logits=True)
     assert torch.allclose(smollm_runner.forward(batch)[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_step_argmax_is_the_argmax_of_forward_and_checks_its_input(smollm_runner) -> None:
+    """step_argmax() (greedy verification) picks what forward()'s logits pick, and a bad step is a
+    SpecserveError that leaves the cache as it was."""
+    prompt = [1, 5, 9, 14, 3, 7]
+    smollm_runner.kv_truncate(0, 0)
+    b = Batch()
+    b.add_sequence(prompt, 0, 0, "none")
+    smollm_runner.forward(b)
+    step = Batch()
+    step.add_sequence([4, 8, 15], len(prompt), 0, "all")
+    expected = smollm_runner.forward(step).argmax(dim=-1).tolist()
+    smollm_runner.kv_truncate(0, len(prompt))
+    assert smollm_runner.step_argmax(0, [4, 8, 15], len(prompt)).tolist() == expected
+    assert smollm_runner.seq_len[0] == len(prompt) + 3
+    for seq, tokens, position in ((0, [4], len(prompt) + 5), (0, [smollm_runner.vocab_size], 2), (0, [-1], 2),
+                                  (smollm_runner.n_seqs, [4], 0), (0, [], 2), (0, [4, 5], smollm_runner.n_ctx - 1)):
+        with pytest.raises(SpecserveError):
+            smollm_runner.step_argmax(seq, tokens, position)
+        assert smollm_runner.seq_len[0] == len(prompt) + 3

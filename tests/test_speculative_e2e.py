@@ -125,7 +125,7 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     monkeypatch.setattr(smollm_runner, "max_step_rows", 4)
     assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
     step_rows = []
-    run_batch = LocalRunner._run  # what forward() and forward_argmax() run
+    run_batch = LocalRunner._run  # what forward() runs, and step_argmax() on the CPU
 
     def counting_run(self, batch, argmax):
         step_rows.append(len(batch))

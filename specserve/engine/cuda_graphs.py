@@ -15,7 +15,7 @@ own output buffer: it is valid until the next forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -124,55 +124,52 @@ class GraphCache:
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """The logits of the batch's wanted rows, or None where no graph takes it."""
-        launched = self._launch(batch)
-        if launched is None:
-            return None
-        (rows, one), (_, _, static_out, _) = launched
         n = len(batch)
         wanted = batch.logit_rows()
+        key = self.graph_key(n, len(wanted))
+        if key is None:
+            return None
+        rows, one = key
+        static_out = self._replay(key, batch.tokens, batch.positions, batch.seq_ids,
+                                  (wanted[0] if wanted else 0) if one else None)[2]
         if one:
             return static_out[: len(wanted)]
         if len(wanted) == n:
             return static_out[:n]
         return static_out[torch.tensor(wanted, device=self.device)]
 
-    def run_argmax(self, batch: Batch) -> torch.Tensor | None:
-        """The argmax of every row's logits (a batch wanting all of them) [rows], or None where no graph
-        takes it or takes the argmax."""
-        if len(batch) > ARGMAX_ROWS or len(batch.logit_rows()) != len(batch):
+    def run_argmax(self, tokens: list[int], position: int, seq: int) -> torch.Tensor | None:
+        """Evaluate tokens at position.. of sequence seq: the argmax of each row's logits [rows], or None
+        past ARGMAX_ROWS rows."""
+        n = len(tokens)
+        if n > ARGMAX_ROWS:
             return None
-        launched = self._launch(batch)
-        if launched is None:
-            return None
-        argmax = launched[1][3]
-        assert argmax is not None  # the bucket of at most ARGMAX_ROWS rows has it
-        return argmax[: len(batch)]
+        key = self.graph_key(n, n)
+        assert key is not None and key[0] <= ARGMAX_ROWS
+        argmax = self._replay(key, tokens, range(position, position + n), [seq] * n, None)[3]
+        assert argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
+        return argmax[:n]
 
-    def _launch(self, batch: Batch) -> tuple[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                                                      torch.Tensor, torch.Tensor | None]] | None:
-        """Replay the graph of the batch's shape on its rows (capturing it first if needed): (key, graph
-        entry), or None where no graph takes the batch."""
-        n = len(batch)
-        wanted = batch.logit_rows()
-        key = self.graph_key(n, len(wanted))
-        if key is None:
-            return None
+    def _replay(self, key: tuple[int, bool], tokens: Sequence[int], positions: Sequence[int],
+                seq_ids: Sequence[int], logit_row: int | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor | None]:
+        """Replay the graph `key` (capturing it first if needed) on these rows; its entry."""
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
         entry = self.graphs[key]
         graph, static_in = entry[0], entry[1]
-        rows, one = key
+        rows, n = key[0], len(tokens)
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         # Written through numpy: a torch op costs ~10 us of host time, and these writes sit between
         # one step's result and the next step's launch.
         host = self.host_np[:, :rows]
-        host[0, :n] = batch.tokens
-        host[1, :n] = batch.positions
-        host[2, :n] = batch.seq_ids
+        host[0, :n] = tokens
+        host[1, :n] = positions
+        host[2, :n] = seq_ids
         self._pad_rows(host, n)
-        if one:
-            host[3, 0] = wanted[0] if wanted else 0
+        if logit_row is not None:
+            host[3, 0] = logit_row
         static_in.copy_(self.host[: static_in.shape[0], :rows], non_blocking=True)
         self.copied.record()
         graph.replay()
-        return key, entry
+        return entry

@@ -224,9 +224,7 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
 
     def launch_verify(first: int, draft: list[int], position: int) -> None:
         """Queue the evaluation of [first (the last sampled token), *draft] at position.."""
-        batch = Batch()
-        batch.add_sequence([first, *draft], position, seq, "all")
-        copies.start(0, runner.forward_argmax(batch))
+        copies.start(0, runner.step_argmax(seq, [first, *draft], position))
         stats.target_forwards += 1
         stats.draft_tokens += len(draft)
         speculator.prepare(history)

@@ -124,12 +124,22 @@ class LocalRunner:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         return self._run(batch, argmax=False)
 
-    def forward_argmax(self, batch: Batch) -> torch.Tensor:
-        """The argmax of every row's logits (a batch wanting all rows' logits), long [rows] on the device;
-        the batch's K/V enter the cache. Greedy verification reads these: step graphs take them."""
-        if len(batch.logit_rows()) != len(batch):
-            raise SpecserveError("forward_argmax() wants the logits of every row")
-        return self._run(batch, argmax=True)
+    def step_argmax(self, seq: int, tokens: list[int], position: int) -> torch.Tensor:
+        """Evaluate tokens at positions position.. of sequence seq (their K/V enter the cache): the argmax
+        of each row's logits, long [len(tokens)] on the device. What greedy verification reads: step
+        graphs take the argmax (no logits leave them), and no Batch is built on the way."""
+        n = len(tokens)
+        if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or not 0 < n <= self.n_ctx - position:
+            raise SpecserveError(f"a step of {n} rows at position {position} of sequence {seq} is out of range")
+        out = None
+        if self.graphs is not None and 0 <= min(tokens) <= max(tokens) < self.config.vocab_size:
+            out = self.graphs.run_argmax(tokens, position, seq)
+        if out is None:  # no graph (or a bad token id: the checks of a Batch report it)
+            batch = Batch()
+            batch.add_sequence(tokens, position, seq, "all")
+            return self._run(batch, argmax=True)
+        self.seq_len[seq] = position + n
+        return out
 
     def _run(self, batch: Batch, argmax: bool) -> torch.Tensor:
         runs = batch.runs()
