@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,7 +72,7 @@ TIMED_STEP_ROWS = (1, 2, 4, 8, 9, 16, 17)
 
 def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int = 64) -> float:
     """Seconds per forward step of n_rows consecutive tokens of one sequence (a decode step
-    for 1, a verify step of n_rows - 1 draft tokens otherwise), after `context` tokens."""
+    for 1, a verify step of n_rows - 1 draft tokens otherwise), after `context` tokens: the median."""
     runner.kv_truncate(0, 0)
     batch = Batch()
     batch.add_sequence([(i * 31) % runner.vocab_size for i in range(context)], 0, 0, "last")
@@ -82,13 +83,14 @@ def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int =
         runner.kv_truncate(0, context)
         runner.forward(step)
     sync(runner.device)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         runner.kv_truncate(0, context)
         logits = runner.forward(step)
         int(logits[-1].argmax().item())  # what a sampler pays: one small read back per step
-    sync(runner.device)
-    return (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)  # (a shared machine's hiccups stay out)
 
 
 def bench_decode(runner: LocalRunner, n: int, context: int = 16) -> float:
@@ -105,22 +107,27 @@ def bench_decode(runner: LocalRunner, n: int, context: int = 16) -> float:
 
 def greedy_decode_rate(runner: LocalRunner, prompts: list[list[int]], n_predict: int,
                        is_eog: Callable[[int], bool], chain_factory: Callable[[], Chain | None],
-                       n_draft_max: int = 16, overlap: bool = True) -> tuple[float, GenerationStats, list[list[int]]]:
+                       n_draft_max: int = 16, overlap: bool = True,
+                       repeat: int = 1) -> tuple[float, GenerationStats, list[list[int]]]:
     """Decode tokens/s over prompts (prompt time excluded; the first token of each comes from the
-    prompt's forward, so it is not counted), summed stats, the outputs. overlap: see generate()."""
-    total = GenerationStats()
-    outputs = []
-    seconds = 0.0
-    for prompt in prompts:
-        stats = GenerationStats()
-        chain = chain_factory()
-        tokens = list(generate(runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
-                               speculator=chain, n_draft_max=n_draft_max, stats=stats, overlap=overlap))
-        seconds += stats.decode_seconds
-        outputs.append(tokens)
-        for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):
-            setattr(total, field, getattr(total, field) + getattr(stats, field))
-    return (total.generated - len(prompts)) / seconds, total, outputs
+    prompt's forward, so it is not counted), summed stats, the outputs. overlap: see generate().
+    repeat: passes over the prompts; the median pass's rate (greedy: every pass makes the same tokens)."""
+    rates = []
+    for _ in range(repeat):
+        total = GenerationStats()
+        outputs = []
+        seconds = 0.0
+        for prompt in prompts:
+            stats = GenerationStats()
+            chain = chain_factory()
+            tokens = list(generate(runner, prompt, n_predict, Sampler(SamplingParams(temperature=0)), is_eog=is_eog,
+                                   speculator=chain, n_draft_max=n_draft_max, stats=stats, overlap=overlap))
+            seconds += stats.decode_seconds
+            outputs.append(tokens)
+            for field in ("generated", "target_forwards", "draft_tokens", "draft_accepted"):
+                setattr(total, field, getattr(total, field) + getattr(stats, field))
+        rates.append((total.generated - len(prompts)) / seconds)
+    return statistics.median(rates), total, outputs
 
 
 def hf_decode_rate(model_path: Path, device: torch.device, prompt: list[int], n: int) -> float:
@@ -153,6 +160,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-sizes", default=str(SpecParams.ngram_size_n),
                    help="comma-separated n-gram key lengths (--spec-ngram-size-n) to time each keyed n-gram type "
                         "with (default: llama.cpp's); shorter keys draft more often on edited code")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="passes over the code-edit prompts per row; the median pass is reported")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--prompts", default=None, help="workload JSON (default: ../shared/workloads/prompts.json)")
     p.add_argument("-o", "--output", default=None, help="JSON file (default: benchmarks/results/bench_<model>.json)")
@@ -166,8 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.speculative.factory import build_chain
     from specserve.workloads import load_workloads
 
-    if args.n_prompt < 1 or args.n_gen < 1:
-        raise SpecserveError("-p and -n must be at least 1")
+    if args.n_prompt < 1 or args.n_gen < 1 or args.repeat < 1:
+        raise SpecserveError("-p, -n and --repeat must be at least 1")
     types = [t for t in args.spec_types.split(",") if t]
     try:
         sizes = [int(n) for n in args.ngram_sizes.split(",") if n]
@@ -210,7 +219,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       tg_roofline_fraction=round(tg / roofline, 3))
     code_edit = [session.tokenizer.encode(apply_chat_template(session.tokenizer, m), add_special=False)
                  for m in load_workloads(args.prompts)["code_edit"]]
-    none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None)
+    none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None,
+                                                repeat=args.repeat)
     rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))
     spec_rows = {}
     runs = [(t, None, True) for t in types if t not in KEYED_TYPES] + [(t, n, True) for t in types
@@ -226,7 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog,
                                               lambda spec=spec, draft=draft: build_chain(spec, draft),
-                                              overlap=overlap)
+                                              overlap=overlap, repeat=args.repeat)
         acc = stats.draft_accepted / stats.draft_tokens if stats.draft_tokens else 0.0
         note = f"x{rate / none_rate:.2f}, accept {acc:.2f}, {stats.generated / stats.target_forwards:.2f} tok/fwd"
         if out != none_out:

@@ -16,7 +16,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
 def test_bench_writes_table_and_json(smollm_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = run_bench("-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
-                       "--spec-types", "ngram-simple", "--ngram-sizes", "12,3", "-o", str(out))
+                       "--spec-types", "ngram-simple", "--ngram-sizes", "12,3", "--repeat", "2", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert "pp16" in result.stdout and "tg4 code-edit ngram-simple n=3" in result.stdout
     data = json.loads(out.read_text())
@@ -41,3 +41,9 @@ def test_bench_refuses_bad_ngram_sizes(smollm_path: Path) -> None:
         result = run_bench("-m", str(smollm_path), "--device", "cpu", "--ngram-sizes", sizes, "--no-hf")
         assert result.returncode == 1 and "Traceback" not in result.stderr
         assert message in result.stderr
+
+
+def test_bench_refuses_zero_repeats(smollm_path: Path) -> None:
+    result = run_bench("-m", str(smollm_path), "--device", "cpu", "--repeat", "0", "--no-hf")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--repeat must be at least 1" in result.stderr

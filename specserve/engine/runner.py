@@ -144,12 +144,10 @@ class LocalRunner:
     def _run(self, batch: Batch, argmax: bool) -> torch.Tensor:
         runs = batch.runs()
         self._check(batch, runs)
-        out = self.graphs.run_argmax(batch) if self.graphs is not None and argmax else None
-        if out is None:
-            logits = self.graphs.run(batch) if self.graphs is not None else None
-            if logits is None:  # no graph takes a batch of this shape
-                logits = self._forward_eager(batch, runs)
-            out = logits.argmax(dim=-1) if argmax else logits
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # no graph takes a batch of this shape
+            logits = self._forward_eager(batch, runs)
+        out = logits.argmax(dim=-1) if argmax else logits
         # Writing at position p makes p the sequence's end: later entries are stale.
         for seq, _start, _end, kv_len in runs:
             self.seq_len[seq] = kv_len
