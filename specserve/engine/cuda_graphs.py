@@ -62,7 +62,7 @@ class GraphCache:
         # row a 4th: its index in column 0), logits, argmax of each row's logits (None past ARGMAX_ROWS)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
                                                   torch.Tensor | None]] = {}
-        self.host = torch.empty((4, max(BUCKETS)), dtype=torch.long, pin_memory=True)
+        self.host = torch.empty(4 * max(BUCKETS), dtype=torch.long, pin_memory=True)  # a graph's inputs, staged
         self.host_np = self.host.numpy()  # the same memory
         self.copied = torch.cuda.Event()  # the last upload from `host` has finished
 
@@ -162,14 +162,17 @@ class GraphCache:
         self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
         # Written through numpy: a torch op costs ~10 us of host time, and these writes sit between
         # one step's result and the next step's launch.
-        host = self.host_np[:, :rows]
+        # A contiguous [inputs, rows] view of the pinned buffer: torch would copy a strided slice through a
+        # contiguous temporary in pageable memory.
+        n_in = static_in.shape[0]
+        host = self.host_np[: n_in * rows].reshape(n_in, rows)
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
         self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
-        static_in.copy_(self.host[: static_in.shape[0], :rows], non_blocking=True)
+        static_in.copy_(self.host[: n_in * rows].view(n_in, rows), non_blocking=True)
         self.copied.record()
         graph.replay()
         return entry
