@@ -129,7 +129,7 @@ class GraphCache:
         key = self.graph_key(n, len(wanted))
         if key is None:
             return None
-        rows, one = key
+        one = key[1]
         static_out = self._replay(key, batch.tokens, batch.positions, batch.seq_ids,
                                   (wanted[0] if wanted else 0) if one else None)[2]
         if one:
