@@ -180,3 +180,35 @@ def test_partial_stop_len() -> None:
     assert partial_stop_len("abc", []) == 0
     assert partial_stop_len("abc", ["abc"]) == 0  # a whole stop string is a match, not a partial one
     assert partial_stop_len("xab", ["abc"]) == 2
+
+
+def test_speculators_prepare_while_the_step_runs(scheduler: Scheduler, tokenizer: Tokenizer,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step of a speculating slot hands its history to the speculator's prepare() (the index
+    work done while the device runs); a prepare() that raises fails that task only."""
+    from specserve.speculative.ngram_suffix import NgramSuffix
+
+    seen: list[list[int]] = []
+    real_prepare = NgramSuffix.prepare
+
+    def recording(self, history):  # type: ignore[no-untyped-def]
+        seen.append(list(history))
+        real_prepare(self, history)
+
+    monkeypatch.setattr(NgramSuffix, "prepare", recording)
+    prompt = PROMPTS[1]
+    plain_text, plain = wait(submit(scheduler, tokenizer, prompt, n_predict=24)[1])
+    spec_text, spec = wait(submit(scheduler, tokenizer, prompt, n_predict=24, spec=SpecParams(type="ngram-suffix"))[1])
+    assert isinstance(spec, Result) and spec_text == plain_text
+    prompt_tokens = tokenizer.encode(prompt)
+    assert len(seen) >= 2 and all(h[:len(prompt_tokens)] == prompt_tokens for h in seen)
+    assert [len(h) for h in seen] == sorted(len(h) for h in seen)  # the history only grows
+
+    def failing(self, history):  # type: ignore[no-untyped-def]
+        raise RuntimeError("simulated index error")
+
+    monkeypatch.setattr(NgramSuffix, "prepare", failing)
+    _, failed = wait(submit(scheduler, tokenizer, prompt, n_predict=24, spec=SpecParams(type="ngram-suffix"))[1])
+    assert isinstance(failed, Failure) and "simulated index error" in failed.message
+    text, again = wait(submit(scheduler, tokenizer, prompt, n_predict=24)[1])
+    assert isinstance(again, Result) and text == plain_text

@@ -343,7 +343,15 @@ class Scheduler:
             self.counters.n_busy_slots += len(plan)
         # Plain greedy slots need only the argmax of their rows: one transfer for the whole
         # batch instead of one device sync per slot.
-        argmax = logits.argmax(dim=-1).tolist() if any(self._plain_greedy(s) for s, *_ in plan) else []
+        argmax_rows = logits.argmax(dim=-1) if any(self._plain_greedy(s) for s, *_ in plan) else None
+        for slot, draft, _, _ in plan:  # while the device works: the speculators' bookkeeping
+            if draft is not None and slot.use_chain and slot.chain is not None and slot.handle is not None:
+                try:
+                    slot.chain.prepare(slot.cache)
+                except Exception as exc:
+                    log.exception("drafting failed on slot %d", slot.id)
+                    self._fail(slot, f"speculative drafting failed: {exc}")
+        argmax = argmax_rows.tolist() if argmax_rows is not None else []
         row = 0
         for slot, draft, n_tokens, n_rows in plan:
             rows = logits[row:row + n_rows]
