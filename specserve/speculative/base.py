@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 
 from specserve.errors import SpecserveError
+from specserve.speculative.ngram_index import HistoryIndex
 
 SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix")
 # Types selectable with --spec-type / speculative.type ("draft" follows from a draft model).
@@ -95,6 +96,7 @@ class Speculator(ABC):
     """
 
     name: str = "base"  # statistics label, e.g. "ngram_simple"
+    _index: HistoryIndex | None = None  # an index over the history, kept up to date by prepare()
 
     def __init__(self) -> None:
         self.stats = SpecStats()
@@ -103,9 +105,12 @@ class Speculator(ABC):
     def begin(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once after the prompt is evaluated."""
 
-    def prepare(self, history: list[int]) -> None:  # noqa: B027 - optional hook
-        """Called while the device evaluates a step: bookkeeping for `history` (e.g. indexing it) that
-        the next draft() would otherwise do on the critical path. draft() must not depend on it."""
+    def prepare(self, history: list[int]) -> None:
+        """Called while the device evaluates a step: bookkeeping for `history` that the next draft()
+        would otherwise do on the critical path (here: indexing it, for types that keep a history
+        index in `_index`). draft() must not depend on it."""
+        if self._index is not None:
+            self._index.update(history)
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""

@@ -15,6 +15,10 @@ class HistoryIndex:
     """What an index over one append-only history tracks: how much of it was indexed, and whether the
     history passed now continues that one (else it is another history: start over)."""
 
+    def update(self, history: list[int]) -> None:
+        """Index what the history gained since the last call (all of it for another history)."""
+        raise NotImplementedError
+
     def reset(self) -> None:
         self._length = 0  # history length indexed so far
         self._last = -1  # history[_length - 1] then: a different token means another history

@@ -72,9 +72,6 @@ class NgramMap(Speculator):
         # Keys and values are positions into one history; a new generation's history is another.
         self._reset()
 
-    def prepare(self, history: list[int]) -> None:
-        self._index.update(history)
-
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         self._last_value = None
         n, m = self.size_n, self.size_m

@@ -27,9 +27,6 @@ class NgramSimple(Speculator):
         self._idx_last_check = 0
         self._index.reset()
 
-    def prepare(self, history: list[int]) -> None:
-        self._index.update(history)
-
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         n, m = self.size_n, self.size_m
         cur_len = len(history)

@@ -70,7 +70,7 @@ class SuffixIndex(HistoryIndex):
         ends at an earlier position, and the latest such end; None when `last` was never seen. The
         positions past what is indexed (a few accepted tokens, `prepare` indexes them while the device
         works) are compared directly: they are later than any indexed one, so they win ties."""
-        indexed = len(history) - self.unindexed(history)
+        indexed = self._indexed_length(history)  # (first: another history resets the index)
         found = self._indexed_match(history, last)
         suffix_end = len(history)  # `last` stands there
         for end in range(len(history) - 1, indexed - 1, -1):
@@ -111,9 +111,6 @@ class NgramSuffix(Speculator):
 
     def begin(self, prompt: list[int]) -> None:
         self._index.reset()
-
-    def prepare(self, history: list[int]) -> None:
-        self._index.update(history)
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         if self._index.unindexed(history) > TAIL:  # a prompt, or prepare() was not called
