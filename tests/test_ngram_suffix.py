@@ -120,3 +120,11 @@ def test_drafts_do_not_depend_on_prepare() -> None:
         assert draft == lazy.draft(text[:cut], text[cut], n_max=16)
         long_drafts += len(draft) > 8
     assert long_drafts > 20  # the copy was found
+
+
+def test_another_history_is_not_matched_against_the_old_index() -> None:
+    index = SuffixIndex(12)
+    index.update([1, 2, 3, 4, 5, 6, 7, 8])
+    other = [9, 2, 3]  # not a continuation of the indexed history: its old ends must not be trusted
+    assert index.longest_match(other, 9) == scan_longest(other, 9, 12) == (1, 0)
+    assert index.longest_match(other, 4) is None  # "2 3 4" ended at 3 in the old history only
