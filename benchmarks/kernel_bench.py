@@ -80,7 +80,7 @@ def replay_us(g: torch.cuda.CUDAGraph, reps: int = 30) -> float:
 
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
     """The captured graph for `rows` rows, its inputs set to rows at positions base.. of sequence 0."""
-    graph, static_in = runner.graphs.graphs[(rows, False)][:2]
+    graph, static_in = runner.graphs.graphs[(rows, False)][:2]  # StepGraph: graph, inputs
     static_in[0] = torch.arange(rows, device=DEV) * 7 + 3
     static_in[1] = torch.arange(base, base + rows, device=DEV)
     static_in[2] = 0

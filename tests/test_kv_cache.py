@@ -101,7 +101,8 @@ def test_step_argmax_is_the_argmax_of_forward_and_checks_its_input(smollm_runner
     assert smollm_runner.step_argmax(0, [4, 8, 15], len(prompt)).tolist() == expected
     assert smollm_runner.seq_len[0] == len(prompt) + 3
     for seq, tokens, position in ((0, [4], len(prompt) + 5), (0, [smollm_runner.vocab_size], 2), (0, [-1], 2),
-                                  (smollm_runner.n_seqs, [4], 0), (0, [], 2), (0, [4, 5], smollm_runner.n_ctx - 1)):
+                                  (smollm_runner.n_seqs, [4], 0), (0, [], 2),
+                                  (0, [4] * (smollm_runner.n_ctx - len(prompt) - 2), len(prompt) + 3)):  # past n_ctx
         with pytest.raises(SpecserveError):
             smollm_runner.step_argmax(seq, tokens, position)
         assert smollm_runner.seq_len[0] == len(prompt) + 3

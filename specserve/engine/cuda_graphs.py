@@ -16,12 +16,13 @@ own output buffer: it is valid until the next forward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from specserve.engine.batch import Batch
+from specserve.engine.host_copy import PinnedUpload
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -45,6 +46,13 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
     return [b for b in BUCKETS if top is not None and b <= top]
 
 
+class StepGraph(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its index)
+    logits: torch.Tensor
+    argmax: torch.Tensor | None  # of each row's logits (graphs of up to ARGMAX_ROWS rows wanting every row)
+
+
 class GraphCache:
     """Captures `forward(tokens, positions, seq_ids, logit_rows) -> logits` per bucket, lazily."""
 
@@ -58,13 +66,8 @@ class GraphCache:
         self.max_rows = max_rows
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
-        # (rows, one logit row) -> graph, inputs [3, rows] (tokens, positions, sequences; with one logit
-        # row a 4th: its index in column 0), logits, argmax of each row's logits (None past ARGMAX_ROWS)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor | None]] = {}
-        self.host = torch.empty(4 * max(BUCKETS), dtype=torch.long, pin_memory=True)  # a graph's inputs, staged
-        self.host_np = self.host.numpy()  # the same memory
-        self.copied = torch.cuda.Event()  # the last upload from `host` has finished
+        self.graphs: dict[tuple[int, bool], StepGraph] = {}  # (rows, one logit row) -> its graph
+        self.inputs = PinnedUpload(device, 4 * max(BUCKETS))  # a graph's inputs, staged
 
     @staticmethod
     def one_logit_row(n_rows: int, n_wanted: int) -> bool:
@@ -98,8 +101,7 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, key: tuple[int, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor | None]:
+    def _capture(self, key: tuple[int, bool]) -> StepGraph:
         rows, one = key
         static_in = torch.zeros((4 if one else 3, rows), dtype=torch.long, device=self.device)
         self._pad_rows(static_in, 0)
@@ -110,8 +112,8 @@ class GraphCache:
             logits = self.forward(static_in[0], static_in[1], static_in[2], pick)
             return logits, logits.argmax(dim=-1) if with_argmax else None
 
-        graph, (static_out, static_argmax) = self.capture(step)
-        return graph, static_in, static_out, static_argmax
+        graph, (logits, argmax) = self.capture(step)
+        return StepGraph(graph, static_in, logits, argmax)
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
@@ -131,7 +133,7 @@ class GraphCache:
             return None
         one = key[1]
         static_out = self._replay(key, batch.tokens, batch.positions, batch.seq_ids,
-                                  (wanted[0] if wanted else 0) if one else None)[2]
+                                  (wanted[0] if wanted else 0) if one else None).logits
         if one:
             return static_out[: len(wanted)]
         if len(wanted) == n:
@@ -146,33 +148,24 @@ class GraphCache:
             return None
         key = self.graph_key(n, n)
         assert key is not None and key[0] <= ARGMAX_ROWS
-        argmax = self._replay(key, tokens, range(position, position + n), [seq] * n, None)[3]
+        argmax = self._replay(key, tokens, range(position, position + n), [seq] * n, None).argmax
         assert argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
         return argmax[:n]
 
     def _replay(self, key: tuple[int, bool], tokens: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logit_row: int | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                                                          torch.Tensor, torch.Tensor | None]:
-        """Replay the graph `key` (capturing it first if needed) on these rows; its entry."""
+                seq_ids: Sequence[int], logit_row: int | None) -> StepGraph:
+        """Replay the graph `key` (capturing it first if needed) on these rows."""
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
-        entry = self.graphs[key]
-        graph, static_in = entry[0], entry[1]
-        rows, n = key[0], len(tokens)
-        self.copied.synchronize()  # never rewrite the pinned buffer under a pending upload
-        # Written through numpy: a torch op costs ~10 us of host time, and these writes sit between
-        # one step's result and the next step's launch.
-        # A contiguous [inputs, rows] view of the pinned buffer: torch would copy a strided slice through a
-        # contiguous temporary in pageable memory.
-        n_in = static_in.shape[0]
-        host = self.host_np[: n_in * rows].reshape(n_in, rows)
+        step = self.graphs[key]
+        n = len(tokens)
+        host = self.inputs.stage(tuple(step.inputs.shape))
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
         self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
-        static_in.copy_(self.host[: n_in * rows].view(n_in, rows), non_blocking=True)
-        self.copied.record()
-        graph.replay()
-        return entry
+        self.inputs.upload(step.inputs)
+        step.graph.replay()
+        return step

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
-from specserve.engine.host_copy import HostCopies
+from specserve.engine.host_copy import HostCopies, PinnedUpload
 from specserve.engine.runner import LocalRunner
 
 DEPTH = 2  # steps in flight: one running, one queued behind it
@@ -28,9 +26,7 @@ class GreedyChain:
         self.seq = seq
         self.state, self._step = runner.greedy_step()
         self._copies = HostCopies(runner.device, DEPTH, 1)
-        cuda = runner.device.type == "cuda"
-        self._restart_host = torch.zeros((3, 1), dtype=torch.long, pin_memory=cuda)
-        self._uploaded = torch.cuda.Event() if cuda else None  # the last restart's upload has landed
+        self._restart = PinnedUpload(runner.device, 3)  # the device is idle, waiting, when it is used
         self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
         self._n_submitted = 0
         self.restart(token, position)
@@ -38,13 +34,8 @@ class GreedyChain:
     def restart(self, token: int, position: int) -> None:
         """Continue from `token` at `position` (at the start, and after steps that ran outside the chain)."""
         assert not self._queued, "restart with steps in flight"
-        # Through a pinned buffer (the device is idle here, waiting), never rewritten under its upload
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        self._restart_host.numpy()[:, 0] = (token, position, self.seq)
-        self.state.copy_(self._restart_host, non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
+        self._restart.stage((3, 1))[:, 0] = (token, position, self.seq)
+        self._restart.upload(self.state)
         self.position = position  # where the next queued step writes
 
     @property
