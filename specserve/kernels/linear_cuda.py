@@ -338,10 +338,13 @@ MMA_SOURCE = r"""
                                  // scattered stores of staging spread over all banks
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
-// staging: activation rows per pass. Registers! Eight rows of loads in flight made gate_up (RMSNorm, 560
-// blocks held to one wave) spill: four per pass took its 8-row call from 18.8 to 15.2 us
-#define MU (SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))
-#define RU (MU == 2 || MU == 3 ? 2 : 1)  // units of 8 activations per thread, row and pass
+// staging: activation rows per pass (their loads in flight together). Registers! Eight rows of loads made
+// gate_up (RMSNorm, 560 blocks held to one wave) spill: four per pass took its 8-row call from 18.8 to
+// 15.2 us (v8); under a bound of 64 registers a thread (the output matrix) two per pass: four made its
+// 5-6-row calls ~11 us slower (v11). A thread stages one unit of 8 activations per row and pass: two
+// (the rule before v11) cost 2- and 3-row steps 0.06 and 0.25 ms of a model step
+#define REGS (65536 / (32 * WARPS * MINB))
+#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))
 __COMMON__
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
 __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
@@ -491,93 +494,80 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
         const int cg = min(CG, n_groups - c0);
         __syncthreads();  // the previous chunk is no longer read
-        // stage: a thread takes RU units of 8 consecutive activations, the same units of MU rows per pass
-        // (their loads issued first; the norm weights read once for all rows); the G / 8 threads of a
-        // group sum it in a fixed order
+        // stage: a thread takes a unit of 8 consecutive activations, the same unit of MU rows per pass (their
+        // loads issued first; the norm weights read once for all rows); the G / 8 threads of a group sum it
+        // in a fixed order
         const int upr = cg * (G / 8);  // units per row
-        for (int ub = 0; ub < upr; ub += 32 * WARPS * RU) {
+        for (int ub = 0; ub < upr; ub += 32 * WARPS) {
+            const int uu = ub + threadIdx.x;
+            const bool ok_u = uu < upr;
+            const int kk = ok_u ? uu * 8 : 0;
+            // staged_pos(kk % G + h) = staged_pos(kk % G) + staged_pos(h): h's part folds to a constant
+            const int pos0 = (kk / G) * GP + staged_pos(kk % G);
+            const bf16_t* src = x + c0 * G + kk;
+#if NORM
+            uint4 gn = make_uint4(0u, 0u, 0u, 0u);
+            if (ok_u) gn = __ldg((const uint4*)(norm_w + c0 * G + kk));
+            const unsigned pw[4] = {gn.x, gn.y, gn.z, gn.w};
+#endif
 #pragma unroll 1
             for (int m0 = 0; m0 < M; m0 += MU) {
-                uint4 ga[RU][MU];
+                uint4 ga[MU];
 #if SILU
-                uint4 gb[RU][MU];
-#endif
-#if NORM
-                uint4 gn[RU];
+                uint4 gb[MU];
 #endif
 #pragma unroll
-                for (int r = 0; r < RU; ++r) {
-                    const int uu = ub + r * 32 * WARPS + threadIdx.x;
-                    if (uu < upr) {
-                        const bf16_t* src = x + c0 * G + uu * 8;
-#if NORM
-                        gn[r] = __ldg((const uint4*)(norm_w + c0 * G + uu * 8));
-#endif
-#pragma unroll
-                        for (int mm = 0; mm < MU; ++mm)
-                            if (m0 + mm < M) {
-                                ga[r][mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x);
+                for (int mm = 0; mm < MU; ++mm)
+                    if (ok_u && m0 + mm < M) {
+                        ga[mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x);
 #if SILU
-                                gb[r][mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x + K);
+                        gb[mm] = *(const uint4*)(src + (u64)(m0 + mm) * stride_x + K);
 #endif
-                            }
                     }
-                }
 #pragma unroll
-                for (int r = 0; r < RU; ++r) {
-                    const int uu = ub + r * 32 * WARPS + threadIdx.x;
-                    const bool ok_u = uu < upr;
-                    const int kk = ok_u ? uu * 8 : 0;
-                    // staged_pos(kk % G + h) = staged_pos(kk % G) + staged_pos(h): h's part folds to a constant
-                    const int pos0 = (kk / G) * GP + staged_pos(kk % G);
-#if NORM
-                    const unsigned pw[4] = {gn[r].x, gn[r].y, gn[r].z, gn[r].w};
-#endif
-#pragma unroll
-                    for (int mm = 0; mm < MU; ++mm) {
-                        const int m = m0 + mm;
-                        const bool ok = ok_u && m < M;
-                        float part = 0.0f, sq = 0.0f;
-                        if (ok) {
-                            const unsigned pa[4] = {ga[r][mm].x, ga[r][mm].y, ga[r][mm].z, ga[r][mm].w};
-                            float v[8];
+                for (int mm = 0; mm < MU; ++mm) {
+                    const int m = m0 + mm;
+                    const bool ok = ok_u && m < M;
+                    float part = 0.0f, sq = 0.0f;
+                    if (ok) {
+                        const unsigned pa[4] = {ga[mm].x, ga[mm].y, ga[mm].z, ga[mm].w};
+                        float v[8];
 #if SILU
-                            const unsigned pb[4] = {gb[r][mm].x, gb[r][mm].y, gb[r][mm].z, gb[r][mm].w};
+                        const unsigned pb[4] = {gb[mm].x, gb[mm].y, gb[mm].z, gb[mm].w};
 #pragma unroll
-                            for (int h = 0; h < 4; ++h) {
-                                v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
-                                v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
-                            }
+                        for (int h = 0; h < 4; ++h) {
+                            v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+                            v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+                        }
 #else
 #pragma unroll
-                            for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+                        for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
 #if NORM
-                            // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's
-                            // sums at the end, from per-group sums of squares: no pass over x before staging
+                        // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's
+                        // sums at the end, from per-group sums of squares: no pass over x before staging
 #pragma unroll
-                            for (int h = 0; h < 4; ++h) {
-                                sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
-                                v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
-                                v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
-                            }
-#endif
-#endif
-                            bf16_t* dst = xs + m * (row_bytes / 2) + pos0;
-#pragma unroll
-                            for (int h = 0; h < 8; ++h) {
-                                dst[staged_pos(h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
-                                part += v[h];
-                            }
+                        for (int h = 0; h < 4; ++h) {
+                            sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
+                            v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
+                            v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
                         }
+#endif
+#endif
+                        bf16_t* dst = xs + m * (row_bytes / 2) + pos0;
 #pragma unroll
-                        for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-                        if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
+                        for (int h = 0; h < 8; ++h) {
+                            dst[staged_pos(h)] = (bf16_t)(__float_as_uint(v[h]) >> 16);
+                            part += v[h];
+                        }
+                    }
+#pragma unroll
+                    for (int off = 1; off < G / 8; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                    if (ok && kk % G == 0) xsum[(kk / G) * 16 + m] = part;
 #if NORM
 #pragma unroll
-                        for (int off = 1; off < G / 8; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-                        if (ok && kk % G == 0) xsq[(kk / G) * 16 + m] = sq;
+                    for (int off = 1; off < G / 8; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+                    if (ok && kk % G == 0) xsq[(kk / G) * 16 + m] = sq;
 #endif
-                    }
                 }
             }
         }

@@ -1,0 +1,105 @@
+"""Experiment (kernel_notes.md v11): how the tensor-core kernel stages few activation rows (2-8).
+
+The staging rule (MU rows per pass, RU units of 8 activations per thread and row) was tuned at 1, 2, 8
+and 9 rows. Real-file steps of 2 and 3 rows cost more than 4 (1.377 / 1.519 / 1.344 ms, v9), and the
+output matrix more at 2 rows than at 8 (131 / 120 us, v8): both take RU = 2. Variants, each in its own
+process (the source is swapped before anything builds):
+
+  current  the source as it is (v11: ru1, and mu2 under a 64-register bound: the output matrix)
+  default  the rule of v8
+  ru1      one unit per thread and pass always
+  mu2      at most 2 rows per pass, one unit
+  mu1      one row per pass (the one-row kernel's registers, M passes)
+The last four swap the rules of the source before v11 (commit ab1882b's linear_cuda.py); v11 has no RU.
+
+Prints and writes the fused products at 1..8 rows and the model's GPU us per graph replay (random
+weights in the Q4_K_M layout). Run from the repository root on a CUDA machine:
+    python benchmarks/experiments/staging_units.py [variant ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernel_bench as kb  # noqa: E402
+
+from specserve.kernels import linear_cuda  # noqa: E402
+
+MU_RULE = "#define MU (SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))"
+RU_RULE = "#define RU (MU == 2 || MU == 3 ? 2 : 1)"
+VARIANTS: dict[str, tuple[str, str] | None] = {
+    "current": None,
+    "default": (MU_RULE, RU_RULE),
+    "ru1": (MU_RULE, "#define RU 1"),
+    "mu2": ("#define MU (M < 2 ? M : 2)", "#define RU 1"),
+    "mu1": ("#define MU 1", "#define RU 1"),
+}
+ROWS = tuple(range(1, 9))
+PRODUCTS = ("gate_up", "down_q4k", "down_q6k", "wqkv", "wqkv_mixed", "wo", "output")
+
+
+def use_variant(name: str) -> None:
+    if VARIANTS[name] is None:
+        return
+    source, names = linear_cuda.KERNELS["gemv_mma"]
+    assert MU_RULE in source and RU_RULE in source, "these variants patch the source before v11 (ab1882b)"
+    mu, ru = VARIANTS[name]
+    linear_cuda.KERNELS["gemv_mma"] = (source.replace(MU_RULE, mu).replace(RU_RULE, ru), names)
+
+
+def fused_products() -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for name in PRODUCTS:
+        n, k, _silu, bits, group = kb.MATRICES[name]
+        qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
+        calls = {m: kb.fused_call(name, m, qs, k) for m in ROWS}
+        kb.prebuild_calls(list(calls.values()))
+        out[name] = {m: kb.timed(c, 2 * len(qs.items), qs.items[0].n_bytes())["us"] for m, c in calls.items()}
+        print(name, out[name], flush=True)
+        del qs
+        torch.cuda.empty_cache()
+    return out
+
+
+def model_gpu_us() -> dict[int, float]:
+    os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
+    runner = kb.make_runner("gguf_like")
+    runner.warmup(17, prompt_rows=0)
+    return {r: round(us, 1) for r, us in kb.step_gpu_us(runner, (*ROWS, 9, 16)).items()}
+
+
+def run_one(variant: str, out_dir: Path) -> None:
+    use_variant(variant)
+    result = {"variant": variant, "fused": fused_products(), "model": model_gpu_us()}
+    print(variant, "model", result["model"], flush=True)
+    (out_dir / f"staging_units_{variant}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main() -> None:
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    variants = sys.argv[1:] or list(VARIANTS)
+    if len(variants) == 1:
+        run_one(variants[0], out_dir)
+        return
+    for v in variants:  # one process each: builds are cached per key, whatever the source
+        subprocess.run([sys.executable, __file__, v], check=False)
+    table = {v: json.loads((out_dir / f"staging_units_{v}.json").read_text()) for v in variants
+             if (out_dir / f"staging_units_{v}.json").exists()}
+    print("\nGPU us per call / per model step, rows", ROWS)
+    for what in (*PRODUCTS, "model"):
+        for v, res in table.items():
+            vals = res["model"] if what == "model" else res["fused"][what]
+            print(f"{what:11s} {v:8s}", " ".join(f"{vals[str(m)] if str(m) in vals else vals[m]:>8}"
+                                                 for m in ROWS))
+
+
+if __name__ == "__main__":
+    main()
