@@ -80,11 +80,11 @@ def replay_us(g: torch.cuda.CUDAGraph, reps: int = 30) -> float:
 
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
     """The captured graph for `rows` rows, its inputs set to rows at positions base.. of sequence 0."""
-    graph, static_in = runner.graphs.graphs[(rows, False)][:2]  # StepGraph: graph, inputs
-    static_in[0] = torch.arange(rows, device=DEV) * 7 + 3
-    static_in[1] = torch.arange(base, base + rows, device=DEV)
-    static_in[2] = 0
-    return graph
+    step = runner.graphs.graphs[(rows, False)]
+    step.inputs[0] = [7 * i + 3 for i in range(rows)]  # pinned: the graph's first node uploads them
+    step.inputs[1] = range(base, base + rows)
+    step.inputs[2] = 0
+    return step.graph
 
 
 def quantize_groups(w: torch.Tensor, bits: int, group: int) -> QuantWeight:

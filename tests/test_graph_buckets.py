@@ -88,7 +88,7 @@ def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
             b.add_sequence(prompt, 0, 0, "none")
             runner.forward(b)
             step_tokens = [(7 * i + 1) % cfg.vocab_size for i in range(rows)]
-            picked.append(runner.step_argmax(0, step_tokens, len(prompt)).tolist())
+            picked.append(runner.step_argmax(0, step_tokens, len(prompt)).read())
             assert runner.seq_len[0] == len(prompt) + rows
         step = Batch()
         step.add_sequence(step_tokens, len(prompt), 0, "all")

@@ -98,7 +98,7 @@ def test_step_argmax_is_the_argmax_of_forward_and_checks_its_input(smollm_runner
     step.add_sequence([4, 8, 15], len(prompt), 0, "all")
     expected = smollm_runner.forward(step).argmax(dim=-1).tolist()
     smollm_runner.kv_truncate(0, len(prompt))
-    assert smollm_runner.step_argmax(0, [4, 8, 15], len(prompt)).tolist() == expected
+    assert smollm_runner.step_argmax(0, [4, 8, 15], len(prompt)).read() == expected
     assert smollm_runner.seq_len[0] == len(prompt) + 3
     for seq, tokens, position in ((0, [4], len(prompt) + 5), (0, [smollm_runner.vocab_size], 2), (0, [-1], 2),
                                   (smollm_runner.n_seqs, [4], 0), (0, [], 2),

@@ -2,15 +2,18 @@
 
 At batch sizes of a few tokens the GPU finishes each kernel faster than Python can
 launch the next, so the whole forward is captured once per row-count bucket and
-replayed. The graph's inputs live in one static [3, rows] tensor (tokens, positions,
-sequence ids); rows past the batch are padding that writes only to a scratch sequence.
+replayed. The graph's inputs are [3, rows] long values (tokens, positions, sequence ids)
+that the host writes into a pinned buffer of the graph's own and its first node copies to
+the device; rows past the batch are padding that writes only to a scratch sequence.
 Steps of up to 256 rows return logits for every row; the caller picks the rows it wants.
 Batches of more than 16 rows that want one row's logits or none (prompt chunks) have graphs
 of their own, up to 512 rows, that compute the logits of that one row (its index is an input):
 an eager 512-row forward spends more time launching kernels (~0.1 ms of host time each over
 packed weights) than running them. Step graphs of up to ARGMAX_ROWS rows also take every row's argmax,
-which greedy verification reads instead of the logits (`run_argmax`). The returned tensor is the graph's
-own output buffer: it is valid until the next forward.
+and their last node copies it into pinned memory, which greedy verification reads instead of the
+logits (`run_argmax`). Both copies are nodes of the graph: as separate calls they cost the host ~45 us
+between a verify step's result and the next launch (kernel_notes.md v11). The returned logits are the
+graph's own output buffer: valid until its next replay.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from specserve.engine import cuda_driver
 from specserve.engine.batch import Batch
-from specserve.engine.host_copy import PinnedUpload
+from specserve.engine.host_copy import PendingTokens
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -48,9 +52,13 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
 
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its index)
+    inputs: np.ndarray  # pinned [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its
+    # index), which the graph's first node uploads
+    device_inputs: torch.Tensor  # where they land (the graph reads its address)
     logits: torch.Tensor
-    argmax: torch.Tensor | None  # of each row's logits (graphs of up to ARGMAX_ROWS rows wanting every row)
+    argmax: np.ndarray | None  # pinned [rows]: each row's argmax, copied back by the last node (graphs of up
+    # to ARGMAX_ROWS rows wanting every row)
+    done: torch.cuda.Event  # recorded after each replay: then its inputs are free and its argmax is there
 
 
 class GraphCache:
@@ -67,7 +75,6 @@ class GraphCache:
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, bool], StepGraph] = {}  # (rows, one logit row) -> its graph
-        self.inputs = PinnedUpload(device, 4 * max(BUCKETS))  # a graph's inputs, staged
 
     @staticmethod
     def one_logit_row(n_rows: int, n_wanted: int) -> bool:
@@ -103,17 +110,25 @@ class GraphCache:
 
     def _capture(self, key: tuple[int, bool]) -> StepGraph:
         rows, one = key
-        static_in = torch.zeros((4 if one else 3, rows), dtype=torch.long, device=self.device)
-        self._pad_rows(static_in, 0)
-        pick = static_in[3, :1] if one else None
-        with_argmax = not one and rows <= ARGMAX_ROWS
+        shape = (4 if one else 3, rows)
+        host_in = torch.zeros(shape, dtype=torch.long, pin_memory=True)  # the arrays below keep them alive
+        self._pad_rows(host_in, 0)
+        device_in = torch.zeros(shape, dtype=torch.long, device=self.device)
+        pick = device_in[3, :1] if one else None
+        host_argmax = torch.zeros(rows, dtype=torch.long, pin_memory=True) if not one and rows <= ARGMAX_ROWS else None
 
-        def step() -> tuple[torch.Tensor, torch.Tensor | None]:
-            logits = self.forward(static_in[0], static_in[1], static_in[2], pick)
-            return logits, logits.argmax(dim=-1) if with_argmax else None
+        def step() -> torch.Tensor:
+            stream = cuda_driver.current_stream(self.device)
+            cuda_driver.copy_async(device_in.data_ptr(), host_in.data_ptr(), device_in.numel() * 8, stream)
+            logits = self.forward(device_in[0], device_in[1], device_in[2], pick)
+            if host_argmax is not None:
+                argmax = logits.argmax(dim=-1)
+                cuda_driver.copy_async(host_argmax.data_ptr(), argmax.data_ptr(), rows * 8, stream)
+            return logits
 
-        graph, (logits, argmax) = self.capture(step)
-        return StepGraph(graph, static_in, logits, argmax)
+        graph, logits = self.capture(step)
+        return StepGraph(graph, host_in.numpy(), device_in, logits,
+                         host_argmax.numpy() if host_argmax is not None else None, torch.cuda.Event())
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
@@ -140,17 +155,17 @@ class GraphCache:
             return static_out[:n]
         return static_out[torch.tensor(wanted, device=self.device)]
 
-    def run_argmax(self, tokens: list[int], position: int, seq: int) -> torch.Tensor | None:
-        """Evaluate tokens at position.. of sequence seq: the argmax of each row's logits [rows], or None
-        past ARGMAX_ROWS rows."""
+    def run_argmax(self, tokens: list[int], position: int, seq: int) -> PendingTokens | None:
+        """Launch the evaluation of tokens at position.. of sequence seq: the argmax of each row's logits,
+        to read once the step is done (until the next step of as many rows), or None past ARGMAX_ROWS rows."""
         n = len(tokens)
         if n > ARGMAX_ROWS:
             return None
         key = self.graph_key(n, n)
         assert key is not None and key[0] <= ARGMAX_ROWS
-        argmax = self._replay(key, tokens, range(position, position + n), [seq] * n, None).argmax
-        assert argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
-        return argmax[:n]
+        step = self._replay(key, tokens, range(position, position + n), [seq] * n, None)
+        assert step.argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
+        return PendingTokens(step.argmax[:n], step.done)
 
     def _replay(self, key: tuple[int, bool], tokens: Sequence[int], positions: Sequence[int],
                 seq_ids: Sequence[int], logit_row: int | None) -> StepGraph:
@@ -159,13 +174,14 @@ class GraphCache:
             self.graphs[key] = self._capture(key)
         step = self.graphs[key]
         n = len(tokens)
-        host = self.inputs.stage(tuple(step.inputs.shape))
+        step.done.synchronize()  # its last replay has read its inputs (at once: it is done by now on the step path)
+        host = step.inputs
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
         self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
-        self.inputs.upload(step.inputs)
         step.graph.replay()
+        step.done.record()
         return step

@@ -16,7 +16,7 @@ import torch
 
 from specserve.engine.batch import Batch
 from specserve.engine.greedy_chain import DEPTH, GreedyChain
-from specserve.engine.host_copy import HostCopies
+from specserve.engine.host_copy import PendingTokens
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler
 from specserve.errors import SpecserveError
@@ -220,18 +220,18 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
     chain: GreedyChain | None = None
     out = [token]  # tokens to hand out, then `token` is their last
     max_draft = runner.draft_limit(n_draft_max)
-    copies = HostCopies(runner.device, 1, max_draft + 1)
+    launched: list[PendingTokens] = []  # the verify step in flight, if any
 
     def launch_verify(first: int, draft: list[int], position: int) -> None:
         """Queue the evaluation of [first (the last sampled token), *draft] at position.."""
-        copies.start(0, runner.step_argmax(seq, [first, *draft], position))
+        launched.append(runner.step_argmax(seq, [first, *draft], position))
         stats.target_forwards += 1
         stats.draft_tokens += len(draft)
         speculator.prepare(history)
 
     def verified(draft: list[int], position: int) -> list[int]:
         """The launched verify step's accepted draft prefix and one new token."""
-        pending = sampler.accept(copies.read(0, len(draft) + 1), draft)
+        pending = sampler.accept(launched.pop().read(), draft)
         stats.draft_accepted += len(pending) - 1
         runner.kv_truncate(seq, position + len(pending))
         return pending
@@ -285,7 +285,8 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                     history += [nxt, *pending[:-1]]
                     out = [nxt, *pending]
     finally:
-        copies.wait(0)
+        for step in launched:
+            step.wait()
         if chain is not None:
             chain.close(len(history))
         else:

@@ -62,3 +62,22 @@ class HostCopies:
         """The slot's first n values, once its copy has landed."""
         self.wait(slot)
         return self._host_np[slot, :n].tolist()
+
+
+class PendingTokens:
+    """Token ids a launched step computes; read() waits for them (that step only) and returns them.
+
+    From a step graph: a pinned row that the graph's last node fills and the event recorded after the
+    replay. Otherwise a tensor (the eager path: read() copies it, waiting for the device)."""
+
+    def __init__(self, values: np.ndarray | torch.Tensor, done: torch.cuda.Event | None = None):
+        self._values = values
+        self._done = done
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+
+    def read(self) -> list[int]:
+        self.wait()
+        return self._values.tolist()

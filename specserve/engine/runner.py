@@ -10,6 +10,7 @@ import torch
 
 from specserve.engine.batch import Batch
 from specserve.engine.cuda_graphs import PROMPT_ROWS, GraphCache
+from specserve.engine.host_copy import PendingTokens
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
@@ -124,10 +125,11 @@ class LocalRunner:
         """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         return self._run(batch, argmax=False)
 
-    def step_argmax(self, seq: int, tokens: list[int], position: int) -> torch.Tensor:
-        """Evaluate tokens at positions position.. of sequence seq (their K/V enter the cache): the argmax
-        of each row's logits, long [len(tokens)] on the device. What greedy verification reads: step
-        graphs take the argmax (no logits leave them), and no Batch is built on the way."""
+    def step_argmax(self, seq: int, tokens: list[int], position: int) -> PendingTokens:
+        """Launch the evaluation of tokens at positions position.. of sequence seq (their K/V enter the
+        cache): the argmax of each row's logits, read() once the step is done, before the next step of
+        as many rows. What greedy verification reads: step graphs take the argmax and copy it back
+        themselves (no logits leave them), and no Batch is built on the way."""
         n = len(tokens)
         if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or not 0 < n <= self.n_ctx - position:
             raise SpecserveError(f"a step of {n} rows at position {position} of sequence {seq} is out of range")
@@ -137,7 +139,7 @@ class LocalRunner:
         if out is None:  # no graph (or a bad token id: the checks of a Batch report it)
             batch = Batch()
             batch.add_sequence(tokens, position, seq, "all")
-            return self._run(batch, argmax=True)
+            return PendingTokens(self._run(batch, argmax=True))
         self.seq_len[seq] = position + n
         return out
 
