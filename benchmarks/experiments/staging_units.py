@@ -10,7 +10,9 @@ process (the source is swapped before anything builds):
   ru1      one unit per thread and pass always
   mu2      at most 2 rows per pass, one unit
   mu1      one row per pass (the one-row kernel's registers, M passes)
-The last four swap the rules of the source before v11 (commit ab1882b's linear_cuda.py); v11 has no RU.
+  row0     (timing only, wrong sums) the current source staging only the first row: what staging
+           the other rows costs
+The middle four swap the rules of the source before v11 (commit ab1882b's linear_cuda.py); v11 has no RU.
 
 Prints and writes the fused products at 1..8 rows and the model's GPU us per graph replay (random
 weights in the Q4_K_M layout). Run from the repository root on a CUDA machine:
@@ -40,12 +42,20 @@ VARIANTS: dict[str, tuple[str, str] | None] = {
     "ru1": (MU_RULE, "#define RU 1"),
     "mu2": ("#define MU (M < 2 ? M : 2)", "#define RU 1"),
     "mu1": ("#define MU 1", "#define RU 1"),
+    "row0": None,
 }
+CURRENT_MU = "#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))"
+STAGE_LOOP = "for (int m0 = 0; m0 < M; m0 += MU)"
 ROWS = tuple(range(1, 9))
 PRODUCTS = ("gate_up", "down_q4k", "down_q6k", "wqkv", "wqkv_mixed", "wo", "output")
 
 
 def use_variant(name: str) -> None:
+    if name == "row0":
+        source, names = linear_cuda.KERNELS["gemv_mma"]
+        assert STAGE_LOOP in source and CURRENT_MU in source
+        source = source.replace(STAGE_LOOP, "for (int m0 = 0; m0 < 1; m0 += MU)").replace(CURRENT_MU, "#define MU 1")
+        linear_cuda.KERNELS["gemv_mma"] = (source, names)
     if VARIANTS[name] is None:
         return
     source, names = linear_cuda.KERNELS["gemv_mma"]
