@@ -13,7 +13,7 @@ packed weights) than running them. Step graphs of up to ARGMAX_ROWS rows also ta
 and their last node copies it into pinned memory, which greedy verification reads instead of the
 logits (`run_argmax`). Both copies are nodes of the graph: as separate calls they cost the host ~45 us
 between a verify step's result and the next launch (kernel_notes.md v11). The returned logits are the
-graph's own output buffer: valid until its next replay.
+graph's own output buffer: valid until the next forward (graphs share a memory pool).
 """
 
 from __future__ import annotations
