@@ -1,8 +1,8 @@
 """A CUDA driver call torch has no Python API for: an asynchronous copy between raw addresses.
 
 Step graphs capture the upload of their inputs from pinned memory and the copy back of their argmax
-as nodes of the graph (cuda_graphs.py): as separate calls before and after each replay they cost the
-host ~45 us on the path between a verify step's result and the next launch (kernel_notes.md v11).
+as nodes of the graph (cuda_graphs.py): as separate calls before and after each replay they cost ~35 us
+of GPU idle between a verify step's result and the next launch (kernel_notes.md v11).
 Called on the capturing stream, cuMemcpyAsync becomes a plain memcpy node (torch's copy_ from pinned
 memory does bookkeeping of its own around the copy). Addresses are unified (UVA), so it serves both
 directions between pinned host memory and the device.

@@ -11,7 +11,7 @@ of their own, up to 512 rows, that compute the logits of that one row (its index
 an eager 512-row forward spends more time launching kernels (~0.1 ms of host time each over
 packed weights) than running them. Step graphs of up to ARGMAX_ROWS rows also take every row's argmax,
 and their last node copies it into pinned memory, which greedy verification reads instead of the
-logits (`run_argmax`). Both copies are nodes of the graph: as separate calls they cost the host ~45 us
+logits (`run_argmax`). Both copies are nodes of the graph: as separate calls they cost ~35 us of GPU idle
 between a verify step's result and the next launch (kernel_notes.md v11). The returned logits are the
 graph's own output buffer: valid until the next forward (graphs share a memory pool).
 """
