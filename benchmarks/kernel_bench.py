@@ -128,6 +128,14 @@ def step_gpu_us(runner: LocalRunner, rows: tuple[int, ...] = (1, 2, 4, 8, 9, 16)
     return {r: replay_us(graph_at(runner, r, base)) for r in rows}
 
 
+def gguf_model_step_us(rows: tuple[int, ...] = (1, 2, 4, 8, 9, 16)) -> dict[int, float]:
+    """GPU us per graph replay of the model (random weights in the Q4_K_M layout, tensor-core kernel) per row count."""
+    os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
+    runner = make_runner("gguf_like")
+    runner.warmup(17, prompt_rows=0)
+    return {r: round(us, 1) for r, us in step_gpu_us(runner, rows).items()}
+
+
 def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -> float:
     """Median wall ms of runner.forward for n_rows new rows at context `base` (host work included)."""
     times = []

@@ -3,6 +3,7 @@ gate_up; the fused products at 1, 2, 8, 9 rows and the model's GPU time per grap
 
 MU_VARIANT=default | 8 (eight rows per pass for RMSNorm-fused products too: the rule before v8) | 2.
 Run from the repository root on a CUDA machine: MU_VARIANT=8 python benchmarks/experiments/staging_rows.py
+It patches the staging rule of v8-v10 (commit ab1882b's linear_cuda.py); v11 changed it (staging_units.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ VARIANTS = {"default": RULE, "8": "#define MU (SILU || M > 8 ? (M < 4 ? M : 4) :
 def use_variant(name: str) -> None:
     """Swap the staging rule in the kernel source before anything builds."""
     source, names = linear_cuda.KERNELS["gemv_mma"]
-    assert RULE in source, "the kernel's staging rule changed: update this experiment"
+    assert RULE in source, "this experiment patches the staging rule of v8-v10 (commit ab1882b)"
     linear_cuda.KERNELS["gemv_mma"] = (source.replace(RULE, VARIANTS[name]), names)
 
 
@@ -51,17 +52,10 @@ def fused_products() -> list[dict[str, object]]:
     return rows_out
 
 
-def model_gpu_us() -> dict[int, float]:
-    os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
-    runner = kb.make_runner("gguf_like")
-    runner.warmup(17, prompt_rows=0)
-    return {r: round(us, 1) for r, us in kb.step_gpu_us(runner).items()}
-
-
 def main() -> None:
     variant = os.environ.get("MU_VARIANT", "default")
     use_variant(variant)
-    out = {"mu": variant, "fused": fused_products(), "model": model_gpu_us()}
+    out = {"mu": variant, "fused": fused_products(), "model": kb.gguf_model_step_us()}
     print(variant, "model", out["model"], "ratio8", round(out["model"][8] / out["model"][1], 3), flush=True)
     Path(os.environ.get("OUT", "/tmp"), f"exp_mu_{variant}.json").write_text(json.dumps(out, indent=1))
 

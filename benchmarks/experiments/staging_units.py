@@ -78,16 +78,9 @@ def fused_products() -> dict[str, dict[int, float]]:
     return out
 
 
-def model_gpu_us() -> dict[int, float]:
-    os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
-    runner = kb.make_runner("gguf_like")
-    runner.warmup(17, prompt_rows=0)
-    return {r: round(us, 1) for r, us in kb.step_gpu_us(runner, (*ROWS, 9, 16)).items()}
-
-
 def run_one(variant: str, out_dir: Path) -> None:
     use_variant(variant)
-    result = {"variant": variant, "fused": fused_products(), "model": model_gpu_us()}
+    result = {"variant": variant, "fused": fused_products(), "model": kb.gguf_model_step_us((*ROWS, 9, 16))}
     print(variant, "model", result["model"], flush=True)
     (out_dir / f"staging_units_{variant}.json").write_text(json.dumps(result, indent=1) + "\n")
 
