@@ -44,7 +44,8 @@ VARIANTS: dict[str, tuple[str, str] | None] = {
     "mu1": ("#define MU 1", "#define RU 1"),
     "row0": None,
 }
-CURRENT_MU = "#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))"
+CURRENT_MU = ("#define MU (REGS <= 64 ? (M < 2 ? M : 2) : M > 8 || SILU || (REGS < 128 && NORM) ? (M < 4 ? M : 4) "
+              ": (M < 8 ? M : 8))")
 STAGE_LOOP = "for (int m0 = 0; m0 < M; m0 += MU)"
 ROWS = tuple(range(1, 9))
 PRODUCTS = ("gate_up", "down_q4k", "down_q6k", "wqkv", "wqkv_mixed", "wo", "output")

@@ -341,10 +341,11 @@ MMA_SOURCE = r"""
 // staging: activation rows per pass (their loads in flight together). Registers! Eight rows of loads made
 // gate_up (RMSNorm, 560 blocks held to one wave) spill: four per pass took its 8-row call from 18.8 to
 // 15.2 us (v8); under a bound of 64 registers a thread (the output matrix) two per pass: four made its
-// 5-6-row calls ~11 us slower (v11). A thread stages one unit of 8 activations per row and pass: two
-// (the rule before v11) cost 2- and 3-row steps 0.06 and 0.25 ms of a model step
+// 5-6-row calls ~11 us slower (v11); unbounded (128 a thread: wqkv) and without SiLU staging, all of up
+// to 8 rows in one pass. A thread stages one unit of 8 activations per row and pass: two (the rule before
+// v11) cost 2- and 3-row steps 0.06 and 0.25 ms of a model step
 #define REGS (65536 / (32 * WARPS * MINB))
-#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || NORM || M > 8 ? (M < 4 ? M : 4) : (M < 8 ? M : 8))
+#define MU (REGS <= 64 ? (M < 2 ? M : 2) : M > 8 || SILU || (REGS < 128 && NORM) ? (M < 4 ? M : 4) : (M < 8 ? M : 8))
 __COMMON__
 // bit fields s and s + PER / 2 of w as two exact bf16 integers (first in the low half)
 __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
