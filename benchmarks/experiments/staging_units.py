@@ -5,7 +5,8 @@ and 9 rows. Real-file steps of 2 and 3 rows cost more than 4 (1.377 / 1.519 / 1.
 output matrix more at 2 rows than at 8 (131 / 120 us, v8): both take RU = 2. Variants, each in its own
 process (the source is swapped before anything builds):
 
-  current  the source as it is (v11: ru1, and mu2 under a 64-register bound: the output matrix)
+  current  the source as it is (v11: one unit a thread; 2 rows a pass under a 64-register bound, 8 where
+           registers are unbounded, else 4)
   default  the rule of v8
   ru1      one unit per thread and pass always
   mu2      at most 2 rows per pass, one unit
