@@ -125,13 +125,13 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     monkeypatch.setattr(smollm_runner, "max_step_rows", 4)
     assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
     step_rows = []
-    run_batch = LocalRunner._run  # what forward() runs, and step_argmax() on the CPU
+    forward = LocalRunner.forward  # what step_argmax() runs on the CPU too
 
-    def counting_run(self, batch, argmax):
+    def counting_forward(self, batch):
         step_rows.append(len(batch))
-        return run_batch(self, batch, argmax)
+        return forward(self, batch)
 
-    monkeypatch.setattr(LocalRunner, "_run", counting_run)
+    monkeypatch.setattr(LocalRunner, "forward", counting_forward)
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)
     stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
     assert stats.tokens == plain_greedy.tokens

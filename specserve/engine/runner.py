@@ -121,9 +121,6 @@ class LocalRunner:
         rows = self.max_step_rows
         return n_max if rows is None else min(n_max, rows - 1)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
-        return self._run(batch, argmax=False)
 
     def step_argmax(self, seq: int, tokens: list[int], position: int) -> PendingTokens:
         """Launch the evaluation of tokens at positions position.. of sequence seq (their K/V enter the
@@ -139,21 +136,21 @@ class LocalRunner:
         if out is None:  # no graph (or a bad token id: the checks of a Batch report it)
             batch = Batch()
             batch.add_sequence(tokens, position, seq, "all")
-            return PendingTokens(self._run(batch, argmax=True))
+            return PendingTokens(self.forward(batch).argmax(dim=-1))
         self.seq_len[seq] = position + n
         return out
 
-    def _run(self, batch: Batch, argmax: bool) -> torch.Tensor:
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
         runs = batch.runs()
         self._check(batch, runs)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:  # no graph takes a batch of this shape
             logits = self._forward_eager(batch, runs)
-        out = logits.argmax(dim=-1) if argmax else logits
         # Writing at position p makes p the sequence's end: later entries are stale.
         for seq, _start, _end, kv_len in runs:
             self.seq_len[seq] = kv_len
-        return out
+        return logits
 
     def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                            logit_rows: torch.Tensor | None) -> torch.Tensor:
