@@ -312,8 +312,7 @@ class Scheduler:
             try:
                 draft = self._draft(slot)
             except Exception as exc:
-                log.exception("drafting failed on slot %d", slot.id)
-                self._fail(slot, f"speculative drafting failed: {exc}")
+                self._drafting_failed(slot, exc)
                 continue
             batch.add_sequence([slot.last, *draft], len(slot.cache), slot.id, "all")
             plan.append((slot, draft, 1 + len(draft), 1 + len(draft)))
@@ -349,8 +348,7 @@ class Scheduler:
                 try:
                     slot.chain.prepare(slot.cache)
                 except Exception as exc:
-                    log.exception("drafting failed on slot %d", slot.id)
-                    self._fail(slot, f"speculative drafting failed: {exc}")
+                    self._drafting_failed(slot, exc)
         argmax = argmax_rows.tolist() if argmax_rows is not None else []
         row = 0
         for slot, draft, n_tokens, n_rows in plan:
@@ -369,6 +367,11 @@ class Scheduler:
                 self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
         with self._cond:
             self.counters.n_tokens_max = max([self.counters.n_tokens_max, *(len(s.cache) for s in self.slots)])
+
+    def _drafting_failed(self, slot: Slot, exc: Exception) -> None:
+        """A speculator raised (draft or prepare): that slot's task fails, the others go on."""
+        log.exception("drafting failed on slot %d", slot.id)
+        self._fail(slot, f"speculative drafting failed: {exc}")
 
     def _draft(self, slot: Slot) -> list[int]:
         task = slot.task
