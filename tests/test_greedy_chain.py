@@ -56,9 +56,6 @@ class ScriptedDrafts:
     def accept(self, n_accepted: int) -> None:
         self.accepted.append(n_accepted)
 
-    def abandon(self) -> None:
-        pass
-
     def end(self) -> None:
         pass
 

@@ -29,7 +29,6 @@ class DraftSource(Protocol):
     def prepare(self, history: list[int]) -> None: ...
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]: ...
     def accept(self, n_accepted: int) -> None: ...
-    def abandon(self) -> None: ...
     def end(self) -> None: ...
 
 
@@ -40,7 +39,7 @@ class GenerationStats:
     generated: int = 0
     decode_seconds: float = 0.0
     target_forwards: int = 0  # forward passes of the target while decoding
-    draft_tokens: int = 0  # drafted tokens verified (counted with the verdict)
+    draft_tokens: int = 0  # drafted tokens sent to verification
     draft_accepted: int = 0
     stop_reason: str = "length"  # "length", "eog", "context"
     tokens: list[int] = field(default_factory=list)
@@ -120,8 +119,11 @@ def generate(
         speculator.begin(prompt)
     try:
         if overlap and sampler.argmax_only:
-            yield from decode_greedy(runner, seq, token, history, n_predict, sampler, is_eog, stats,
-                                     speculator=speculator, n_draft_max=n_draft_max, n_draft_min=n_draft_min)
+            if speculator is None:
+                yield from _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)
+            else:
+                yield from _decode_speculative_chained(runner, seq, token, history, n_predict, sampler, is_eog,
+                                                       speculator, n_draft_max, n_draft_min, stats)
             return
         pending = [token]
         max_draft = runner.draft_limit(n_draft_max)
@@ -175,20 +177,6 @@ def _hand_out(tokens: list[int], n_predict: int, is_eog: Callable[[int], bool],
     return False
 
 
-def decode_greedy(runner: LocalRunner, seq: int, token: int, history: list[int], n_predict: int, sampler: Sampler,
-                  is_eog: Callable[[int], bool], stats: GenerationStats, *, speculator: DraftSource | None = None,
-                  n_draft_max: int = 16, n_draft_min: int = 0) -> Iterator[int]:
-    """Greedy decoding of sequence seq with the device a step ahead of the host: yields `token` (sampled,
-    not yet evaluated), then the tokens after it, n_predict in all at most (an end-of-generation token
-    ends it). history: the tokens in the sequence's KV cache (extended as tokens are evaluated).
-    sampler: argmax_only. Closed early, it waits for the steps in flight, keeps at most the evaluated
-    tokens' KV entries (the caller truncates to what it kept) and uncounts a draft not yet judged."""
-    if speculator is None:
-        return _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)
-    return _decode_speculative_chained(runner, seq, token, history, n_predict, sampler, is_eog, speculator,
-                                       n_draft_max, n_draft_min, stats)
-
-
 def _decode_chained(runner: LocalRunner, seq: int, token: int, n_kv: int, n_predict: int, sampler: Sampler,
                     is_eog: Callable[[int], bool], stats: GenerationStats) -> Iterator[int]:
     """Plain greedy decoding through a GreedyChain: the steps after `token` are queued before it is
@@ -238,12 +226,12 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
         """Queue the evaluation of [first (the last sampled token), *draft] at position.."""
         launched.append(runner.step_argmax(seq, [first, *draft], position))
         stats.target_forwards += 1
+        stats.draft_tokens += len(draft)
         speculator.prepare(history)
 
     def verified(draft: list[int], position: int) -> list[int]:
         """The launched verify step's accepted draft prefix and one new token."""
         pending = sampler.accept(launched.pop().read(), draft)
-        stats.draft_tokens += len(draft)
         stats.draft_accepted += len(pending) - 1
         runner.kv_truncate(seq, position + len(pending))
         return pending
@@ -297,9 +285,8 @@ def _decode_speculative_chained(runner: LocalRunner, seq: int, token: int, histo
                     history += [nxt, *pending[:-1]]
                     out = [nxt, *pending]
     finally:
-        for step in launched:  # closed early: a verify step still runs
+        for step in launched:
             step.wait()
-        speculator.abandon()  # closed early: a draft still in flight or unchecked is not counted
         if chain is not None:
             chain.close(len(history))
         else:

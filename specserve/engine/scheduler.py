@@ -4,9 +4,7 @@ One background thread owns the runner(s). Every step it builds ONE Batch over al
 slots — prompt chunks for slots still reading, `[last sampled] + draft` for generating
 slots — runs one forward pass, then lets each slot's own sampler verify its draft. So the
 drafts of all slots are verified together, and a new request joins as soon as a slot is
-free (the others wait in a FIFO queue). A greedy task generating alone (no other task, none
-queued) decodes through generate's overlapped loop instead (`_decode_alone`): the device a step
-ahead of the host, until the task ends or another arrives.
+free (the others wait in a FIFO queue).
 
 Requests come in through `submit()` from any thread; results go out through the `emit`
 callback given with each request (the server turns it into an asyncio queue put). Slot i
@@ -26,7 +24,6 @@ from enum import Enum
 import torch
 
 from specserve.engine.batch import Batch, common_prefix
-from specserve.engine.generate import GenerationStats, decode_greedy
 from specserve.engine.runner import LocalRunner
 from specserve.engine.sampling import Sampler
 from specserve.engine.tasks import Chunk, Event, Failure, Result, Task, TaskHandle, TokenProb
@@ -101,9 +98,7 @@ class Scheduler:
     """Owns the runner(s) in one thread; serves up to runner.n_seqs tasks at once."""
 
     def __init__(self, runner: LocalRunner, tokenizer: Tokenizer, *, draft_runner: LocalRunner | None = None,
-                 n_batch: int = 512, overlap: bool = True):
-        """overlap: a greedy task generating alone decodes through generate's overlapped loop (False: one
-        batch per step always, the reference the tests compare with)."""
+                 n_batch: int = 512):
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
@@ -112,7 +107,6 @@ class Scheduler:
         self.draft_runner = draft_runner
         self.tokenizer = tokenizer
         self.n_batch = n_batch
-        self.overlap = overlap
         self.n_ctx = runner.n_ctx
         self.slots = [Slot(i) for i in range(runner.n_seqs)]
         self.counters = SchedulerCounters()
@@ -309,10 +303,6 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        alone = self._alone()
-        if alone is not None:
-            self._decode_alone(alone)
-            return
         generating = [s for s in self.slots if s.state == SlotState.GENERATING]
         reading = sorted((s for s in self.slots if s.state == SlotState.PROMPT), key=lambda s: s.t_start)
         batch = Batch()
@@ -377,62 +367,6 @@ class Scheduler:
                 self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
         with self._cond:
             self.counters.n_tokens_max = max([self.counters.n_tokens_max, *(len(s.cache) for s in self.slots)])
-
-    def _alone(self) -> Slot | None:
-        """The slot to decode alone: the only task, generating greedily without log-probabilities, nothing queued."""
-        if not self.overlap or self._queue:
-            return None
-        busy = [s for s in self.slots if s.handle is not None]
-        if len(busy) != 1:
-            return None
-        slot = busy[0]
-        greedy = slot.state == SlotState.GENERATING and self._plain_greedy(slot) and slot.task.n_probs == 0
-        return slot if greedy and not slot.handle.cancelled else None  # type: ignore[union-attr]
-
-    def _decode_alone(self, slot: Slot) -> None:
-        """Decode the only task through generate's loop (decode_greedy): steps queued ahead of the host, drafts
-        of chained steps checked against them, a verify step's tokens handed out after the next step is
-        queued, where one batch per step waits for every step. Stops when the task ends, is cancelled or
-        another task is queued: tokens computed past the last one handed out are dropped (their KV entries
-        too) and computed again in the batches that follow, which give the same greedy text."""
-        task, handle = slot.task, slot.handle
-        left = task.n_predict - slot.n_decoded if task.n_predict >= 0 else self.n_ctx
-        stats, counted = GenerationStats(), GenerationStats()
-        tokens = decode_greedy(self.runner, slot.id, slot.last, list(slot.cache), left + 1, slot.sampler,
-                               self.tokenizer.is_eog, stats, speculator=slot.chain if slot.use_chain else None,
-                               n_draft_max=task.spec.n_max, n_draft_min=task.spec.n_min)
-        try:
-            next(tokens)  # slot.last, handed out already
-            for token in tokens:
-                slot.cache.append(slot.last)
-                slot.last = token
-                self._count_alone(slot, stats, counted)
-                self._emit_tokens(slot, [token], None)
-                if slot.handle is not handle or handle.cancelled or self._queue:
-                    break
-        except Exception as exc:
-            log.exception("decoding slot %d failed", slot.id)
-            if slot.handle is handle:
-                self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"decoding failed: {exc}")
-        finally:
-            tokens.close()  # waits for the steps in flight; a draft still unjudged leaves the statistics
-            self.runner.kv_truncate(slot.id, len(slot.cache))
-            if slot.chain is not None and slot.use_chain:
-                self._count_drafts(slot)
-
-    def _count_alone(self, slot: Slot, stats: GenerationStats, counted: GenerationStats) -> None:
-        """Move what decode_greedy counted since the last call into the slot's and the server's counters."""
-        forwards = stats.target_forwards - counted.target_forwards
-        slot.draft_n += stats.draft_tokens - counted.draft_tokens
-        slot.draft_accepted += stats.draft_accepted - counted.draft_accepted
-        counted.target_forwards, counted.draft_tokens = stats.target_forwards, stats.draft_tokens
-        counted.draft_accepted = stats.draft_accepted
-        if forwards:
-            with self._cond:
-                self.counters.n_decode += forwards
-                self.counters.n_busy_slots += forwards
-        if slot.use_chain and slot.chain is not None:
-            self._count_drafts(slot)
 
     def _drafting_failed(self, slot: Slot, exc: Exception) -> None:
         """A speculator raised (draft or prepare): that slot's task fails, the others go on."""
@@ -510,9 +444,8 @@ class Scheduler:
                     c.draft_accepted[m.name] = c.draft_accepted.get(m.name, 0) + acc - acc0
                     slot.spec_seen[m.name] = (gen, acc)
 
-    def _emit_tokens(self, slot: Slot, tokens: list[int], rows: torch.Tensor | None) -> None:
-        """Hand out the step's tokens (row i of rows produced tokens[i]; rows: None where the task reports no
-        log-probabilities) and stop when a condition hits."""
+    def _emit_tokens(self, slot: Slot, tokens: list[int], rows: torch.Tensor) -> None:
+        """Hand out the step's tokens (row i of rows produced tokens[i]) and stop when a condition hits."""
         task = slot.task
         stream = slot.stream
         assert stream is not None
@@ -533,8 +466,7 @@ class Scheduler:
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
         if context_full:
             stop_type = "limit"
-        reported = rows is not None and task.n_probs > 0
-        probs = self._probs(rows[:len(emitted)], emitted, task.n_probs) if reported else None  # type: ignore[index]
+        probs = self._probs(rows[:len(emitted)], emitted, task.n_probs) if task.n_probs > 0 else None
         if stop_type and stop_type != "word":
             stream.flush()
         text = stream.take(final=bool(stop_type))

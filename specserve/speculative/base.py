@@ -100,7 +100,7 @@ class Speculator(ABC):
 
     def __init__(self) -> None:
         self.stats = SpecStats()
-        self._draft_pending = 0  # tokens of the last draft while it awaits its accept()
+        self._draft_pending = False  # a non-empty draft awaits its accept()
 
     def begin(self, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Called once after the prompt is evaluated."""
@@ -115,11 +115,11 @@ class Speculator(ABC):
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""
         self.stats.calls += 1
-        self._draft_pending = 0
+        self._draft_pending = False
         tokens = self._propose(history, last_sampled, n_max)[:n_max] if n_max > 0 else []
         if len(tokens) < max(n_min, 1):
             return []
-        self._draft_pending = len(tokens)
+        self._draft_pending = True
         self.stats.gen_drafts += 1
         self.stats.gen_tokens += len(tokens)
         return tokens
@@ -132,19 +132,11 @@ class Speculator(ABC):
         """
         if not self._draft_pending:
             return
-        self._draft_pending = 0
+        self._draft_pending = False
         if n_accepted > 0:
             self.stats.acc_drafts += 1
             self.stats.acc_tokens += n_accepted
         self._accepted(n_accepted)
-
-    def abandon(self) -> None:
-        """The last draft will get no accept() (its generation stopped before the verdict): it leaves the
-        statistics, which count judged drafts only."""
-        if self._draft_pending:
-            self.stats.gen_drafts -= 1
-            self.stats.gen_tokens -= self._draft_pending
-            self._draft_pending = 0
 
     def end(self) -> None:  # noqa: B027 - optional hook
         """The generation is over (e.g. save a dynamic cache)."""
@@ -187,10 +179,6 @@ class Chain:
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
             self._last.accept(n_accepted)
-
-    def abandon(self) -> None:
-        if self._last is not None:
-            self._last.abandon()
 
     def end(self) -> None:
         for m in self.members:
