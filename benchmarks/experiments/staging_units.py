@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -66,12 +67,13 @@ def use_variant(name: str) -> None:
     linear_cuda.KERNELS["gemv_mma"] = (source.replace(MU_RULE, mu).replace(RU_RULE, ru), names)
 
 
-def fused_products() -> dict[str, dict[int, float]]:
+def fused_products(rows: tuple[int, ...] = ROWS) -> dict[str, dict[int, float]]:
+    """GPU us per call of each fused product at each row count (the variant in use)."""
     out: dict[str, dict[int, float]] = {}
     for name in PRODUCTS:
         n, k, _silu, bits, group = kb.MATRICES[name]
         qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
-        calls = {m: kb.fused_call(name, m, qs, k) for m in ROWS}
+        calls = {m: kb.fused_call(name, m, qs, k) for m in rows}
         kb.prebuild_calls(list(calls.values()))
         out[name] = {m: kb.timed(c, 2 * len(qs.items), qs.items[0].n_bytes())["us"] for m, c in calls.items()}
         print(name, out[name], flush=True)
@@ -87,23 +89,36 @@ def run_one(variant: str, out_dir: Path) -> None:
     (out_dir / f"staging_units_{variant}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
-def main() -> None:
+def compare(script: str, prefix: str, variants: list[str], rows: tuple[int, ...]) -> None:
+    """Runs `script VARIANT` once per variant (one process each: builds are cached per key, whatever the
+    source; each writes $OUT/{prefix}_{variant}.json), then prints their products and model steps side by side."""
     out_dir = Path(os.environ.get("OUT", "/tmp"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    variants = sys.argv[1:] or list(VARIANTS)
-    if len(variants) == 1:
-        run_one(variants[0], out_dir)
-        return
-    for v in variants:  # one process each: builds are cached per key, whatever the source
-        subprocess.run([sys.executable, __file__, v], check=False)
-    table = {v: json.loads((out_dir / f"staging_units_{v}.json").read_text()) for v in variants
-             if (out_dir / f"staging_units_{v}.json").exists()}
-    print("\nGPU us per call / per model step, rows", ROWS)
+    for v in variants:
+        subprocess.run([sys.executable, script, v], check=False)
+    table = {v: json.loads((out_dir / f"{prefix}_{v}.json").read_text()) for v in variants
+             if (out_dir / f"{prefix}_{v}.json").exists()}
+    print("\nGPU us per call / per model step, rows", rows)
     for what in (*PRODUCTS, "model"):
         for v, res in table.items():
             vals = res["model"] if what == "model" else res["fused"][what]
-            print(f"{what:11s} {v:8s}", " ".join(f"{vals[str(m)] if str(m) in vals else vals[m]:>8}"
-                                                 for m in ROWS))
+            print(f"{what:11s} {v:8s}", " ".join(f"{vals[str(m)]:>8}" for m in rows))
+
+
+def experiment_main(run_variant: Callable[[str, Path], None], script: str, prefix: str, variants: Iterable[str],
+                    rows: tuple[int, ...]) -> None:
+    """An experiment's command line: one variant named, run it in this process; else each variant (all by
+    default) in its own, then the table (`compare`)."""
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chosen = sys.argv[1:] or list(variants)
+    if len(chosen) == 1:
+        run_variant(chosen[0], out_dir)
+    else:
+        compare(script, prefix, chosen, rows)
+
+
+def main() -> None:
+    experiment_main(run_one, __file__, "staging_units", VARIANTS, ROWS)
 
 
 if __name__ == "__main__":
