@@ -50,7 +50,7 @@ class Step:
         self.inputs.copy_(self.host_in)
 
         def step() -> torch.Tensor:
-            stream = cuda_driver.current_stream(dev)
+            stream = torch.cuda.current_stream(dev).cuda_stream
             if in_graph:
                 cuda_driver.copy_async(self.inputs.data_ptr(), self.host_in.data_ptr(), 3 * ROWS * 8, stream)
             argmax = runner.graphs.forward(self.inputs[0], self.inputs[1], self.inputs[2], None).argmax(dim=-1)

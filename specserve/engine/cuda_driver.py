@@ -24,12 +24,9 @@ def _memcpy_async() -> ctypes._CFuncPtr:
     return fn
 
 
-def current_stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def copy_async(dst: int, src: int, n_bytes: int, stream: int) -> None:
-    """Copy n_bytes from address src to dst (device or pinned host memory) in stream order."""
+    """Copy n_bytes from address src to dst (device or pinned host memory) in stream order (stream: a
+    CUstream handle, torch's `Stream.cuda_stream`)."""
     err = _memcpy_async()(dst, src, n_bytes, stream)
     if err != 0:
         raise RuntimeError(f"cuMemcpyAsync failed with CUDA error {err}")

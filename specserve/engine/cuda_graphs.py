@@ -118,7 +118,7 @@ class GraphCache:
         host_argmax = torch.zeros(rows, dtype=torch.long, pin_memory=True) if not one and rows <= ARGMAX_ROWS else None
 
         def step() -> torch.Tensor:
-            stream = cuda_driver.current_stream(self.device)
+            stream = torch.cuda.current_stream(self.device).cuda_stream
             cuda_driver.copy_async(device_in.data_ptr(), host_in.data_ptr(), device_in.numel() * 8, stream)
             logits = self.forward(device_in[0], device_in[1], device_in[2], pick)
             if host_argmax is not None:

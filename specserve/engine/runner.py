@@ -121,7 +121,6 @@ class LocalRunner:
         rows = self.max_step_rows
         return n_max if rows is None else min(n_max, rows - 1)
 
-
     def step_argmax(self, seq: int, tokens: list[int], position: int) -> PendingTokens:
         """Launch the evaluation of tokens at positions position.. of sequence seq (their K/V enter the
         cache): the argmax of each row's logits, read() once the step is done, before the next step of
