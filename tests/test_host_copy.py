@@ -1,4 +1,4 @@
-"""PinnedUpload, HostCopies and PendingTokens: values reach the device and come back (CPU, and CUDA on the GPU
+"""HostCopies and PendingTokens: values computed on the device come back (CPU, and CUDA on the GPU
 machine)."""
 
 from __future__ import annotations
@@ -6,25 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.host_copy import HostCopies, PendingTokens, PinnedUpload
+from specserve.engine.host_copy import HostCopies, PendingTokens
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=str)
-def test_upload_then_read_back(device: torch.device) -> None:
-    upload = PinnedUpload(device, 16)
+def test_copies_read_back_what_the_device_computed(device: torch.device) -> None:
     copies = HostCopies(device, 2, 8)
-    dst = torch.zeros((3, 4), dtype=torch.long, device=device)
-    for round_ in range(3):  # the staging buffer is reused once the last upload has landed
-        expected = torch.arange(12).view(3, 4) * (round_ + 1) - 5
-        upload.stage((3, 4))[:] = expected.numpy()
-        upload.upload(dst)
-        doubled = (dst * 2).flatten()  # device work behind the upload
-        copies.start(round_ % 2, doubled[:8])
-        copies.start((round_ + 1) % 2, doubled[4:])  # a slice that does not start at the storage's start
-        assert copies.read(round_ % 2, 8) == (expected.flatten()[:8] * 2).tolist()
-        assert copies.read((round_ + 1) % 2, 8) == (expected.flatten()[4:] * 2).tolist()
+    for round_ in range(3):  # slots are reused once read
+        values = (torch.arange(12, device=device) * (round_ + 1) - 5) * 2  # device work
+        copies.start(round_ % 2, values[:8])
+        copies.start((round_ + 1) % 2, values[4:])  # a slice that does not start at the storage's start
+        expected = (torch.arange(12) * (round_ + 1) - 5) * 2
+        assert copies.read(round_ % 2, 8) == expected[:8].tolist()
+        assert copies.read((round_ + 1) % 2, 8) == expected[4:].tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=str)

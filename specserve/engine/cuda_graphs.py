@@ -179,7 +179,8 @@ class GraphCache:
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
-        self._pad_rows(host, n)
+        if n < host.shape[1]:
+            self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
         step.graph.replay()

@@ -108,6 +108,9 @@ def generate(
     runner.kv_truncate(seq, 0)
     t0 = time.perf_counter()
     logits = prefill(runner, seq, prompt, n_batch)
+    if speculator is not None:  # while the device evaluates the prompt: e.g. index it for drafting
+        speculator.begin(prompt)
+        speculator.prepare(prompt)
     sampler.reset(prompt)
     token = sampler.sample(logits)
     sync(device)
@@ -115,8 +118,6 @@ def generate(
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     history = list(prompt)  # tokens in the KV cache; `token` is sampled but not yet evaluated
-    if speculator is not None:
-        speculator.begin(prompt)
     try:
         if overlap and sampler.argmax_only:
             if speculator is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine.host_copy import HostCopies, PinnedUpload
+from specserve.engine.host_copy import HostCopies
 from specserve.engine.runner import LocalRunner
 
 DEPTH = 2  # steps in flight: one running, one queued behind it
@@ -24,18 +24,17 @@ class GreedyChain:
     def __init__(self, runner: LocalRunner, seq: int, token: int, position: int):
         self.runner = runner
         self.seq = seq
-        self.state, self._step = runner.greedy_step()
+        self._step = runner.greedy_step()
         self._copies = HostCopies(runner.device, DEPTH, 1)
-        self._restart = PinnedUpload(runner.device, 3)  # the device is idle, waiting, when it is used
         self._queued: deque[int] = deque()  # host slots of queued steps, oldest first
         self._n_submitted = 0
         self.restart(token, position)
 
     def restart(self, token: int, position: int) -> None:
-        """Continue from `token` at `position` (at the start, and after steps that ran outside the chain)."""
+        """Continue from `token` at `position` (at the start, and after steps that ran outside the chain):
+        the next step evaluates it, uploaded by that step's graph."""
         assert not self._queued, "restart with steps in flight"
-        self._restart.stage((3, 1))[:, 0] = (token, position, self.seq)
-        self._restart.upload(self.state)
+        self._start: int | None = token
         self.position = position  # where the next queued step writes
 
     @property
@@ -46,7 +45,8 @@ class GreedyChain:
         """Queue the next step (at most DEPTH in flight)."""
         assert self.in_flight < DEPTH
         slot = self._n_submitted % DEPTH
-        self._copies.start(slot, self._step(self.seq, self.position))
+        self._copies.start(slot, self._step(self.seq, self.position, self._start))
+        self._start = None
         self._queued.append(slot)
         self._n_submitted += 1
         self.position += 1

@@ -1,41 +1,16 @@
-"""Small long tensors between host and device through pinned memory, on the path between one step's
+"""Small long tensors from the device to the host through pinned memory, on the path between one step's
 result and the next step's launch.
 
 Reading a CUDA tensor with `.tolist()` waits for the whole device and copies through pageable
 memory; a copy into a pinned slot with an event waits for that copy only, and the host reads the
-slot through numpy (`HostCopies`). The other way, inputs are written into a pinned buffer through
-numpy (a torch op costs ~10 us of host time) and uploaded from a contiguous view of it (torch copies
-a strided host tensor through a pageable temporary): `PinnedUpload`.
+slot through numpy (`HostCopies`). The other way, step graphs upload their inputs from pinned buffers
+of their own as their first node (cuda_graphs.py, LocalRunner.greedy_step).
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
-
-
-class PinnedUpload:
-    """A pinned staging buffer of `size` long values for uploads, never rewritten under its last one."""
-
-    def __init__(self, device: torch.device, size: int):
-        cuda = device.type == "cuda"
-        self._host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
-        self._host_np = self._host.numpy()  # the same memory
-        self._uploaded = torch.cuda.Event() if cuda else None  # the last upload has landed
-
-    def stage(self, shape: tuple[int, ...]) -> np.ndarray:
-        """A contiguous view of the buffer to write the next upload into (once the last one has landed)."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-        return self._host_np[: math.prod(shape)].reshape(shape)
-
-    def upload(self, dst: torch.Tensor) -> None:
-        """Copy what was staged, in dst's shape, into dst (behind the work queued before it)."""
-        dst.copy_(self._host[: dst.numel()].view(dst.shape), non_blocking=True)
-        if self._uploaded is not None:
-            self._uploaded.record()
 
 
 class HostCopies:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.engine import cuda_driver
 from specserve.engine.batch import Batch
 from specserve.engine.cuda_graphs import PROMPT_ROWS, GraphCache
 from specserve.engine.host_copy import PendingTokens
@@ -18,6 +19,8 @@ from specserve.kernels.linear import MAX_GEMV_ROWS
 from specserve.model.config import ModelConfig
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
+
+GreedyStep = Callable[[int, int, int | None], torch.Tensor]  # (seq, position, start token or None) -> token
 
 
 def default_device() -> torch.device:
@@ -101,7 +104,7 @@ class LocalRunner:
         self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
                               else None)
         self.graphs = GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs) if use_graphs else None
-        self._chain: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None
+        self._chain: GreedyStep | None = None
         freeze_gc()
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
@@ -157,36 +160,63 @@ class LocalRunner:
         capture)."""
         return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv)
 
-    def greedy_step(self) -> tuple[torch.Tensor, Callable[[int, int], torch.Tensor]]:
-        """(state, step) for greedy decoding with the token fed back on the device (GreedyChain).
-
-        state: long [3, 1] on the device, the (token, position, sequence) the next step evaluates.
-        step(seq, position) evaluates it (the host passes what state holds: it knows both), moves
-        state to (argmax of the logits, position + 1, seq) and returns that argmax [1]: a buffer the
-        next step overwrites. With CUDA graphs the step is one replay, captured at the first call."""
+    def greedy_step(self) -> GreedyStep:
+        """step(seq, position, start=None) for greedy decoding with the token fed back on the device
+        (GreedyChain). A step evaluates the token the step before picked, or `start` (the host's token,
+        which begins a chain), at `position` of sequence `seq` (the host knows both), takes the argmax of
+        its logits as the next step's token and returns it ([1], a buffer a later step overwrites). With
+        CUDA graphs a step is one replay, of one of two graphs captured at the first call: the second
+        uploads (start, position, seq) from pinned memory as its first node."""
         if self._chain is None:
-            state = torch.zeros((3, 1), dtype=torch.long, device=self.device)
-            if self.graphs is None:
-                def step(seq: int, position: int) -> torch.Tensor:
-                    return self._greedy_forward(state, [(seq, 0, 1, position + 1)])
-            else:
-                state[2] = self.graphs.pad_seq  # the warm-up runs of the capture write the scratch sequence
-                graph, token = self.graphs.capture(lambda: self._greedy_forward(state, []))
+            self._chain = self._greedy_step_graphs() if self.graphs is not None else self._greedy_step_eager()
+        step = self._chain
 
-                def step(seq: int, position: int) -> torch.Tensor:
-                    graph.replay()
-                    return token
-            self._chain = (state, step)
-        state, step = self._chain
-
-        def checked_step(seq: int, position: int) -> torch.Tensor:
+        def checked_step(seq: int, position: int, start: int | None = None) -> torch.Tensor:
             if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or position >= self.n_ctx:
                 raise SpecserveError(f"greedy step at position {position} of sequence {seq} is out of range")
-            token = step(seq, position)
+            token = step(seq, position, start)
             self.seq_len[seq] = position + 1
             return token
 
-        return state, checked_step
+        return checked_step
+
+    def _greedy_step_eager(self) -> GreedyStep:
+        state = torch.zeros((3, 1), dtype=torch.long, device=self.device)  # token, position, sequence
+
+        def step(seq: int, position: int, start: int | None) -> torch.Tensor:
+            if start is not None:
+                state[:, 0] = torch.tensor((start, position, seq))
+            return self._greedy_forward(state, [(seq, 0, 1, position + 1)])
+
+        return step
+
+    def _greedy_step_graphs(self) -> GreedyStep:
+        assert self.graphs is not None
+        # the capture's warm-up runs write the scratch sequence
+        start_in = torch.tensor([[0], [0], [self.graphs.pad_seq]], dtype=torch.long, pin_memory=True)
+        start_np = start_in.numpy()
+        state = start_in.to(self.device)  # token, position, sequence
+
+        def upload_and_forward() -> torch.Tensor:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            cuda_driver.copy_async(state.data_ptr(), start_in.data_ptr(), state.numel() * 8, stream)
+            return self._greedy_forward(state, [])
+
+        fed, fed_token = self.graphs.capture(lambda: self._greedy_forward(state, []))
+        started, started_token = self.graphs.capture(upload_and_forward)
+        start_read = torch.cuda.Event()  # recorded after each replay of `started`: start_in may be rewritten
+
+        def step(seq: int, position: int, start: int | None) -> torch.Tensor:
+            if start is None:
+                fed.replay()
+                return fed_token
+            start_read.synchronize()
+            start_np[:, 0] = (start, position, seq)
+            started.replay()
+            start_read.record()
+            return started_token
+
+        return step
 
     def _greedy_forward(self, state: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
         with torch.inference_mode():

@@ -1,0 +1,40 @@
+"""Experiment helper: one tree's greedy code-edit rates, without and with ngram-suffix, for A/B runs of two
+package trees in one lease (host speed differs from lease to lease by more than host-side changes).
+
+Prints one JSON line. Run on a CUDA machine with the model, alternating the trees, e.g.:
+for i in 1 2; do PYTHONPATH=old_tree python3 benchmarks/experiments/ab_trees.py old;
+  PYTHONPATH=$PWD python3 benchmarks/experiments/ab_trees.py new; done
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import specserve
+from specserve.bench import greedy_decode_rate
+from specserve.gguf.chat_template import apply_chat_template
+from specserve.session import GenerationSession
+from specserve.speculative.base import SpecParams
+from specserve.speculative.factory import build_chain
+from specserve.workloads import load_workloads
+
+
+def main(label: str) -> None:
+    session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format="gguf", progress=False)
+    session.runner.warmup(17)
+    tok = session.tokenizer
+    prompts = [tok.encode(apply_chat_template(tok, m), add_special=False) for m in load_workloads(None)["code_edit"]]
+    res: dict[str, object] = {"tree": label, "where": specserve.__file__}
+    outputs = {}
+    factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
+    for name, factory in factories.items():
+        rate, _, outputs[name] = greedy_decode_rate(session.runner, prompts, 128, tok.is_eog, factory, repeat=5)
+        res[name] = round(rate, 1)
+    res["x"] = round(res["ngram-suffix"] / res["none"], 3)  # type: ignore[operator]
+    res["identical"] = outputs["none"] == outputs["ngram-suffix"]
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
