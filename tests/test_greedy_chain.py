@@ -21,8 +21,9 @@ class ScriptedDrafts:
     branch: verify with nothing queued, a first token guessed wrong or right by the queued step,
     then verified or not."""
 
-    def __init__(self, prompt: list[int], reference: list[int]):
+    def __init__(self, prompt: list[int], reference: list[int], vocab: int = 1000):
         self.text = prompt + reference
+        self.vocab = vocab  # wrong guesses stay token ids
         self.n_prompt = len(prompt)
         self.accepted: list[int] = []  # what accept() heard after each draft
         self.right: list[int] = []  # how many leading tokens of each draft were right
@@ -43,9 +44,9 @@ class ScriptedDrafts:
         if kind >= 3 or not truth:
             draft = []
         elif kind == 1:  # wrong first token
-            draft = [(truth[0] + 1) % 1000, *truth[1:]]
+            draft = [(truth[0] + 1) % self.vocab, *truth[1:]]
         elif kind == 2 and len(truth) > 2:  # wrong third token
-            draft = [*truth[:2], (truth[2] + 1) % 1000, *truth[3:]]
+            draft = [*truth[:2], (truth[2] + 1) % self.vocab, *truth[3:]]
         else:
             draft = truth
         self.drafted.append(len(draft))
@@ -110,7 +111,8 @@ def test_chained_consumer_stops_early(smollm_runner: LocalRunner) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
 def test_chained_graph_replays_match_step_by_step(weight_format: str) -> None:
-    """On the GPU the chain is one graph replay per step (argmax and feedback captured with it)."""
+    """On the GPU the chain is one graph replay per step (argmax and feedback captured with it), and
+    a chain that restarts after verify steps (its first step uploads the token in its own graph) too."""
     import dataclasses
 
     from specserve.model.random_init import SHAPES, random_weights
@@ -129,6 +131,14 @@ def test_chained_graph_replays_match_step_by_step(weight_format: str) -> None:
                                                  overlap=not step_by_step))
             assert runner.seq_len[0] == len(prompt) + n - 1
         assert tokens[True] == tokens[False]
+        spec = ScriptedDrafts(prompt, tokens[True], vocab=cfg.vocab_size)
+        stats = GenerationStats()
+        got = list(generate(runner, prompt, n, Sampler(SamplingParams(temperature=0)), speculator=spec,
+                            stats=stats))
+        assert got == tokens[True]
+        assert spec.accepted == spec.right
+        if n == 60:
+            assert stats.draft_accepted > 0 and 0 in spec.drafted  # verify steps, and chained stretches after them
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 40])
