@@ -11,20 +11,17 @@ from __future__ import annotations
 import json
 import sys
 
+from host_gaps import load_code_edits
+
 import specserve
 from specserve.bench import greedy_decode_rate
-from specserve.gguf.chat_template import apply_chat_template
-from specserve.session import GenerationSession
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.workloads import load_workloads
 
 
 def main(label: str) -> None:
-    session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format="gguf", progress=False)
-    session.runner.warmup(17)
+    session, prompts = load_code_edits("gguf")
     tok = session.tokenizer
-    prompts = [tok.encode(apply_chat_template(tok, m), add_special=False) for m in load_workloads(None)["code_edit"]]
     res: dict[str, object] = {"tree": label, "where": specserve.__file__}
     outputs = {}
     factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}

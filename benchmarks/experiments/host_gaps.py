@@ -27,12 +27,18 @@ from specserve.speculative.factory import build_chain
 from specserve.workloads import load_workloads
 
 
-def main(label: str, weight_format: str) -> None:
+def load_code_edits(weight_format: str) -> tuple[GenerationSession, list[list[int]]]:
+    """The model with its graphs captured, and the code-edit prompts' tokens."""
     session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format=weight_format, progress=False)
+    session.runner.warmup(17)
+    tok = session.tokenizer
+    prompts = [tok.encode(apply_chat_template(tok, m), add_special=False) for m in load_workloads(None)["code_edit"]]
+    return session, prompts
+
+
+def main(label: str, weight_format: str) -> None:
+    session, prompts = load_code_edits(weight_format)
     runner = session.runner
-    runner.warmup(17)
-    prompts = [session.tokenizer.encode(apply_chat_template(session.tokenizer, m), add_special=False)
-               for m in load_workloads(None)["code_edit"]]
     is_eog = session.tokenizer.is_eog
     res: dict = {"label": label, "format": weight_format,
                  "steps_ms": {n: round(bench_step(runner, n) * 1e3, 3) for n in (1, 2, 4, 5, 6, 8)}}

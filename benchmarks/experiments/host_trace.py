@@ -19,14 +19,12 @@ import sys
 import time
 
 import torch
+from host_gaps import load_code_edits  # this folder is on the path when run as a script
 
 from specserve.bench import greedy_decode_rate
 from specserve.engine import host_copy
-from specserve.gguf.chat_template import apply_chat_template
-from specserve.session import GenerationSession
 from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.workloads import load_workloads
 
 Mark = tuple[str, float]
 
@@ -97,11 +95,8 @@ def segments(marks: list[Mark]) -> dict[str, dict[str, float]]:
 
 
 def main(weight_format: str) -> None:
-    session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format=weight_format, progress=False)
+    session, prompts = load_code_edits(weight_format)
     runner = session.runner
-    runner.warmup(17)
-    prompts = [session.tokenizer.encode(apply_chat_template(session.tokenizer, m), add_special=False)
-               for m in load_workloads(None)["code_edit"]]
     is_eog = session.tokenizer.is_eog
     factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
     res: dict = {"format": weight_format}

@@ -341,6 +341,17 @@ def loop_runner(runner) -> tuple[float, list[list[int]]]:  # noqa: ANN001
     return (time.perf_counter() - t0) / STEPS * 1e6, out
 
 
+def release_and_wait(switch: StepSwitch, body: int, poll: bool) -> int:
+    """Release the armed launch to run `body`, arm the next one, wait for the first; its ticket."""
+    ticket = switch.release(body)
+    switch.arm()
+    if poll:
+        switch.poll(ticket)
+    else:
+        switch.event(ticket).synchronize()
+    return ticket
+
+
 def loop_switch(runner, switch: StepSwitch, poll: bool = False) -> tuple[float, list[list[int]]]:  # noqa: ANN001
     out = []
     torch.cuda.synchronize()
@@ -349,13 +360,7 @@ def loop_switch(runner, switch: StepSwitch, poll: bool = False) -> tuple[float, 
     for i in range(STEPS):
         n = ROW_CYCLE[i % len(ROW_CYCLE)]
         step = write_inputs(runner, n, i)
-        ticket = switch.release(n - 1)
-        switch.arm()
-        if poll:
-            switch.poll(ticket)
-        else:
-            switch.event(ticket).synchronize()
-        assert switch.ran(ticket, n - 1)
+        assert switch.ran(release_and_wait(switch, n - 1, poll), n - 1)
         out.append(step.argmax[:n].tolist())
     switch.disarm()
     torch.cuda.synchronize()
@@ -376,12 +381,7 @@ def loop_bare(runner, switch: StepSwitch | None, poll: bool = False, n: int = 4)
             step.done.record()
             step.done.synchronize()
             continue
-        ticket = switch.release(n - 1)
-        switch.arm()
-        if poll:
-            switch.poll(ticket)
-        else:
-            switch.event(ticket).synchronize()
+        release_and_wait(switch, n - 1, poll)
     if switch is not None:
         switch.disarm()
     torch.cuda.synchronize()
