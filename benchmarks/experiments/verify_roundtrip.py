@@ -50,12 +50,11 @@ class Step:
         self.inputs.copy_(self.host_in)
 
         def step() -> torch.Tensor:
-            stream = torch.cuda.current_stream(dev).cuda_stream
             if in_graph:
-                cuda_driver.copy_async(self.inputs.data_ptr(), self.host_in.data_ptr(), 3 * ROWS * 8, stream)
+                cuda_driver.copy_async(self.inputs, self.host_in)
             argmax = runner.graphs.forward(self.inputs[0], self.inputs[1], self.inputs[2], None).argmax(dim=-1)
             if in_graph:
-                cuda_driver.copy_async(self.host_out.data_ptr(), argmax.data_ptr(), ROWS * 8, stream)
+                cuda_driver.copy_async(self.host_out, argmax)
             return argmax
 
         self.graph, self.argmax = runner.graphs.capture(step)

@@ -24,9 +24,11 @@ def _memcpy_async() -> ctypes._CFuncPtr:
     return fn
 
 
-def copy_async(dst: int, src: int, n_bytes: int, stream: int) -> None:
-    """Copy n_bytes from address src to dst (device or pinned host memory) in stream order (stream: a
-    CUstream handle, torch's `Stream.cuda_stream`)."""
-    err = _memcpy_async()(dst, src, n_bytes, stream)
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy src's first bytes into all of dst (contiguous; one on the device, the other there or in pinned host
+    memory) in the order of the device's current stream (the capturing one, in a graph capture)."""
+    device = dst.device if dst.is_cuda else src.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    err = _memcpy_async()(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream)
     if err != 0:
         raise RuntimeError(f"cuMemcpyAsync failed with CUDA error {err}")

@@ -90,6 +90,8 @@ class GraphCache:
         return None if rows is None else (rows, one)
 
     def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int) -> None:
+        if start >= inputs.shape[1]:  # an exact bucket (every step of up to 16 rows): even empty writes cost
+            return
         inputs[0, start:] = 0
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
@@ -118,12 +120,11 @@ class GraphCache:
         host_argmax = torch.zeros(rows, dtype=torch.long, pin_memory=True) if not one and rows <= ARGMAX_ROWS else None
 
         def step() -> torch.Tensor:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            cuda_driver.copy_async(device_in.data_ptr(), host_in.data_ptr(), device_in.numel() * 8, stream)
+            cuda_driver.copy_async(device_in, host_in)
             logits = self.forward(device_in[0], device_in[1], device_in[2], pick)
             if host_argmax is not None:
                 argmax = logits.argmax(dim=-1)
-                cuda_driver.copy_async(host_argmax.data_ptr(), argmax.data_ptr(), rows * 8, stream)
+                cuda_driver.copy_async(host_argmax, argmax)
             return logits
 
         graph, logits = self.capture(step)
@@ -179,8 +180,7 @@ class GraphCache:
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
-        if n < host.shape[1]:
-            self._pad_rows(host, n)
+        self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
         step.graph.replay()

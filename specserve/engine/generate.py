@@ -110,15 +110,16 @@ def generate(
     logits = prefill(runner, seq, prompt, n_batch)
     if speculator is not None:  # while the device evaluates the prompt: e.g. index it for drafting
         speculator.begin(prompt)
-        speculator.prepare(prompt)
-    sampler.reset(prompt)
-    token = sampler.sample(logits)
-    sync(device)
-    stats.prompt_tokens = len(prompt)
-    stats.prompt_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    history = list(prompt)  # tokens in the KV cache; `token` is sampled but not yet evaluated
-    try:
+    try:  # (end() follows every begin())
+        if speculator is not None:
+            speculator.prepare(prompt)
+        sampler.reset(prompt)
+        token = sampler.sample(logits)
+        sync(device)
+        stats.prompt_tokens = len(prompt)
+        stats.prompt_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        history = list(prompt)  # tokens in the KV cache; `token` is sampled but not yet evaluated
         if overlap and sampler.argmax_only:
             if speculator is None:
                 yield from _decode_chained(runner, seq, token, len(history), n_predict, sampler, is_eog, stats)

@@ -198,8 +198,7 @@ class LocalRunner:
         state = start_in.to(self.device)  # token, position, sequence
 
         def upload_and_forward() -> torch.Tensor:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            cuda_driver.copy_async(state.data_ptr(), start_in.data_ptr(), state.numel() * 8, stream)
+            cuda_driver.copy_async(state, start_in)
             return self._greedy_forward(state, [])
 
         fed, fed_token = self.graphs.capture(lambda: self._greedy_forward(state, []))
