@@ -342,7 +342,9 @@ def prebuild_calls(calls: list[Callable[[], object]]) -> None:
     the built kernel that records its key and launches nothing (through the plain launcher)."""
     keys: list[tuple] = []
     stand_in = lambda key, sibling=None: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
-    with mock.patch.object(linear_cuda, "_kernel", stand_in), mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):
+    no_launch = lambda *args: None  # noqa: E731 - clusters launch through cuLaunchKernelEx
+    with mock.patch.object(linear_cuda, "_kernel", stand_in), mock.patch.object(linear_cuda, "_launch_ex", no_launch), \
+            mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):
         for c in calls:
             c()
     linear_cuda.prebuild(sorted(set(keys)))

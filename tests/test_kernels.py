@@ -172,6 +172,9 @@ def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: b
     ("gemv_mma", "k32min", None), ("gemv_mma", "k16", None), ("gemv_mma", "q8", None),
     ("gemv_mma", "k32min", {"TILES": 2, "KSPLIT": 4, "D": 3}), ("gemv_mma", "k16", {"TILES": 3, "KSPLIT": 1, "D": 1}),
     ("gemv_mma", "q8", {"TILES": 1, "KSPLIT": 16, "D": 2}),
+    # K split across the blocks of a cluster (sm_90+; one block per tile elsewhere)
+    ("gemv_mma", "k32min", {"TILES": 1, "KSPLIT": 4, "D": 2, "KC": 4}), ("gemv_mma", "k16", {"TILES": 2, "KSPLIT": 1,
+                                                                                            "D": 2, "KC": 2}),
 ])
 @pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
     (40, 128, False, False, False), (130, 1536, True, False, False), (72, 8960, False, True, False),
@@ -268,6 +271,35 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
         assert torch.equal(stream, residual[:rows] + linear(x[:rows], w))
     logits = linear_fused(x[:3], w, norm=(norm_w, 1e-6), out_dtype=torch.float32)
     assert logits.dtype == torch.float32 and torch.equal(logits, singles[:3].float())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("kc", [2, 3, 4])
+def test_residual_add_with_k_split_across_a_cluster(kc: int) -> None:
+    """A product whose K is split across the blocks of a cluster (down's shape) adds to the residual stream
+    what the reference computes (to fp32 rounding: the shares are summed in another order than one block
+    sums them), and each row of a multi-row call bit for bit what a one-row call adds."""
+    from specserve.kernels import linear_cuda
+    from specserve.kernels.linear import linear_ref
+
+    k, n = 8960, 96
+    w = random_quant(n, k, 32, True)
+    x = torch.randn(16, k, device=DEVICE).to(DTYPE)
+    residual = torch.randn(16, n, device=DEVICE).to(DTYPE)
+    blocks = {"TILES": 1, "KSPLIT": 4, "D": 2, "KC": kc}
+
+    def add(lo: int, hi: int) -> torch.Tensor:
+        stream = residual[lo:hi].clone()
+        linear_cuda.gemv(x[lo:hi], w, None, False, DTYPE, blocks, kernel="gemv_mma", add_to=stream)
+        return stream
+
+    singles = torch.cat([add(i, i + 1) for i in range(16)])
+    for rows in (1, 5, 8, 16):
+        got = add(0, rows)
+        product = linear_ref(x[:rows].float(), w, None, False)
+        assert rel_err(got, residual[:rows].float() + product) < TOL
+        assert rel_err(got.float() - residual[:rows].float(), product) < TOL
+        assert torch.equal(got, singles[:rows])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")

@@ -19,7 +19,7 @@ For the fused decode path (model/transformer.py) it also folds in, by compile-ti
 of its input (NORM: x * weight staged, 1/rms from per-group sums of squares scales the sums at the
 end), SwiGLU of its output (SWIGLU: a tile pairs gate rows with their up rows), the residual add
 (ACCUM: out += product, in place) and RoPE with the KV-cache write (ROPE: a tile pairs rotation
-partners; `RopeWrite`). On sm_90 it is launched as a programmatic dependent (`_launch_dependent`):
+partners; `RopeWrite`). On sm_90 it is launched as a programmatic dependent (`_launch_ex`):
 weights load before `griddepcontrol.wait`, activations after it.
 `gemv_q`: CUDA cores. A lane walks whole groups of one row (one 16-byte load), a bit field
 becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent, and per group
@@ -328,7 +328,12 @@ MMA_SOURCE = r"""
 #define BIAS __BIAS__
 #define OUT_F32 __OUT_F32__
 #define MINB __MINB__            // blocks per SM the registers must allow (launch bounds)
+#define KC __KC__                // blocks of a thread-block cluster splitting K: each a contiguous share of whole
+                                 // steps, their sums added in rank order through distributed shared memory
 #define WARPS (TILES * KSPLIT)
+#if KC > 1 && NORM
+#error "RMSNorm needs whole rows: no K split across blocks"
+#endif
 #define PER (32 / BITS)          // bit fields per word
 #define WPG (G * BITS / 32)      // words per group and row: 4 or 8
 #define WPL (WPG / 4)            // of them read by one lane: 1 or 2
@@ -393,6 +398,26 @@ __device__ __forceinline__ void mma(float (&d)[4], unsigned a0, unsigned a1, uns
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#if KC > 1
+// every non-exited thread of the cluster arrives before any goes on (shared memory writes made visible)
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// p's float4 in the shared memory of block `rank` of this cluster
+__device__ __forceinline__ float4 load_cluster(const float* p, unsigned rank) {
+    unsigned remote;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote));
+    return v;
+}
+#endif
 #if ROPE
 // the cos and sin of rotation pair `pair` at token tok's position, and where that token's `head` goes:
 // the element offset of its dim 0 in out (a q head) or in the KV cache (k and v heads)
@@ -438,8 +463,20 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kw = warp % KSPLIT;
+    const int row_groups = K / G;  // a weight row's groups
+#if KC > 1
+    // this block's share of K: whole steps, rank r taking the r-th run of ceil(steps / KC)
+    const unsigned rank = cluster_rank();
+    const int tile = (blockIdx.x / KC) * TILES + warp / KSPLIT;
+    const int per_rank = (row_groups / SG + KC - 1) / KC * SG;
+    const int g_begin = min((int)rank * per_rank, row_groups);
+    const int n_groups = min(per_rank, row_groups - g_begin);
+    x += g_begin * G;
+#else
     const int tile = blockIdx.x * TILES + warp / KSPLIT;
-    const int n_groups = K / G, n_steps = n_groups / SG;
+    const int g_begin = 0, n_groups = row_groups;
+#endif
+    const int n_steps = n_groups / SG;
 #if SWIGLU
     // a tile's rows g and g + 8 are gate row n = 8 tile + g and its up row N / 2 + n: a lane holds both
     const int n_half = N / 2;
@@ -455,10 +492,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     const bool active = tile * 16 < N;
     const int ra = min(tile * 16 + g, N - 1), rb = min(tile * 16 + g + 8, N - 1);  // rows past N: not stored
 #endif
-    const uint4* wa = (const uint4*)(w + (u64)ra * n_groups * WPG) + t;
-    const uint4* wb = (const uint4*)(w + (u64)rb * n_groups * WPG) + t;
-    const unsigned* sa = sm + (u64)ra * n_groups;
-    const unsigned* sb = sm + (u64)rb * n_groups;
+    const uint4* wa = (const uint4*)(w + ((u64)ra * row_groups + g_begin) * WPG) + t;
+    const uint4* wb = (const uint4*)(w + ((u64)rb * row_groups + g_begin) * WPG) + t;
+    const unsigned* sa = sm + (u64)ra * row_groups + g_begin;
+    const unsigned* sb = sm + (u64)rb * row_groups + g_begin;
 
     float acc[NB][4];
 #pragma unroll
@@ -660,6 +697,30 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
             acc[nb][e] = total;
         }
 #endif
+#if KC > 1
+    // the cluster's K shares: each block leaves its sums in its own shared memory, rank 0 adds the others'
+    // in rank order (the same order for any row count) and stores; the rest wait until it has read them
+    {
+#if KSPLIT == 1
+        __syncthreads();  // the staged activations are no longer read
+#endif
+        float* mine = (float*)smem + (warp * 32 + lane) * NB * 4;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+            *(float4*)(mine + nb * 4) = make_float4(acc[nb][0], acc[nb][1], acc[nb][2], acc[nb][3]);
+        cluster_sync();
+        if (rank == 0) {
+            for (unsigned r = 1; r < KC; ++r)
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb) {
+                    const float4 v = load_cluster(mine + nb * 4, r);
+                    acc[nb][0] += v.x; acc[nb][1] += v.y; acc[nb][2] += v.z; acc[nb][3] += v.w;
+                }
+        }
+        cluster_sync();
+        if (rank != 0) return;
+    }
+#endif
     if (!active) return;
 #if NORM
 #pragma unroll
@@ -720,7 +781,7 @@ MMA_SMEM_BYTES = 200 * 1024  # the tensor-core kernel opts in to more (H100/H200
 KERNELS = {
     "gemv_q": (SOURCE, ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32")),
     "gemv_mma": (MMA_SOURCE, ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU",
-                              "NORM", "ACCUM", "ROPE", "ROPE_HD", "MINB")),
+                              "NORM", "ACCUM", "ROPE", "ROPE_HD", "MINB", "KC")),
 }
 
 
@@ -813,6 +874,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
 
 
+CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -821,16 +883,30 @@ def pdl_enabled(device: int) -> bool:
     return os.environ.get("SPECSERVE_PDL") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _launch_dependent(kernel: Any, grid: int, block: int, args: list, shared_mem: int) -> None:
-    """cuLaunchKernelEx with programmatic stream serialization: the grid may start before the kernel
+@cache
+def _clusters(device: int) -> bool:
+    """Thread-block clusters (distributed shared memory): sm_90+."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_ex(kernel: Any, grid: int, block: int, args: list, shared_mem: int, dependent: bool,
+               cluster: int = 1) -> None:
+    """cuLaunchKernelEx. dependent: programmatic stream serialization: the grid may start before the kernel
     ahead of it in the stream ends (it waits in griddepcontrol.wait before touching activations), which
-    hides the launch gap and the first weight loads behind that kernel's tail. Graph capture keeps it."""
+    hides the launch gap and the first weight loads behind that kernel's tail. cluster > 1: consecutive
+    blocks form thread-block clusters of that many (the kernel's KC). Graph capture keeps both."""
     values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
+    attrs = []
+    if dependent:
+        attrs.append(_LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION))
+        attrs[-1].value[0] = 1
+    if cluster > 1:
+        attrs.append(_LaunchAttribute(id=CLUSTER_DIMENSION))
+        attrs[-1].value[:3] = [cluster, 1, 1]
+    array = (_LaunchAttribute * max(1, len(attrs)))(*attrs)
     config = _LaunchConfig((grid, 1, 1), (block, 1, 1), shared_mem, torch.cuda.current_stream().cuda_stream,
-                           ctypes.pointer(attr), 1)
+                           ctypes.cast(array, ctypes.POINTER(_LaunchAttribute)), len(attrs))
     libcuda = torch.cuda._utils._get_gpu_runtime_library()
     err = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
     if err != 0:
@@ -877,7 +953,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, *[False] * 7, 0, 0, 1)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, *[False] * 7, 0, 0, 1, 1)}[name]
     try:
         prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -929,6 +1005,11 @@ def chunk_groups(n_rows: int, k: int, group: int, ksplit: int) -> int:
         return n_groups
     step = 32 * ksplit
     return max(step, fit // step * step) if fit >= step else max(8, fit // 8 * 8)
+
+
+def k_share(k: int, group: int, per_step: int, kc: int) -> int:
+    """The activations a block of a KC-block cluster stages: its share of whole steps of per_step groups."""
+    return -(-(k // group // per_step) // kc) * per_step * group
 
 
 def mma_chunk(n_rows: int, k: int, group: int, step: int, sums: int = 1) -> tuple[int, int]:
@@ -1046,15 +1127,18 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
 
         def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
             """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
-            cfg = {**pick_mma_blocks(n_out, k, rows), **(blocks or {})}
-            grid = -(-n_tiles // cfg["TILES"])
+            cfg = {"KC": 1, **pick_mma_blocks(n_out, k, rows), **(blocks or {})}
+            if fused[1] or not _clusters(device):  # RMSNorm takes whole rows
+                cfg["KC"] = 1
+            grid = -(-n_tiles // cfg["TILES"]) * cfg["KC"]
             threads = 32 * cfg["TILES"] * cfg["KSPLIT"]
-            cg, row_bytes = mma_chunk(rows, k, w.group, cfg["D"] * cfg["KSPLIT"] * per_step, sums)
-            reduce_bytes = threads * (2 if rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 else 0
+            cg, row_bytes = mma_chunk(rows, k_share(k, w.group, per_step, cfg["KC"]), w.group,
+                                      cfg["D"] * cfg["KSPLIT"] * per_step, sums)
+            reduce_bytes = threads * (2 if rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 or cfg["KC"] > 1 else 0
             smem = max(rows * row_bytes + cg * 64 * sums, reduce_bytes)
             minb = cfg["MINB"] or one_wave_blocks(grid, threads, smem, device)
             return (("gemv_mma", w.bits, w.group, rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags, seven_bits,
-                     *fused[:3], *rope_flags, minb), cfg, grid, cg, row_bytes, smem)
+                     *fused[:3], *rope_flags, minb, cfg["KC"]), cfg, grid, cg, row_bytes, smem)
 
         key, cfg, grid, cg, row_bytes, smem = variant(n_rows)
         warps = cfg["TILES"] * cfg["KSPLIT"]
@@ -1076,7 +1160,8 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
         limit = SMEM_BYTES
     assert smem <= limit, "activations too wide to stage"
     args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra]
-    if kernel == "gemv_mma" and pdl_enabled(x2.device.index or 0):
-        _launch_dependent(launch, grid, 32 * warps, args, smem)
+    pdl = kernel == "gemv_mma" and pdl_enabled(x2.device.index or 0)
+    if pdl or (kernel == "gemv_mma" and cfg["KC"] > 1):
+        _launch_ex(launch, grid, 32 * warps, args, smem, pdl, cfg["KC"])
     else:
         launch(grid=(grid, 1, 1), block=(32 * warps, 1, 1), args=args, shared_mem=smem)
