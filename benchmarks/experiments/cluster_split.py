@@ -63,11 +63,11 @@ def model_with(picks: dict[tuple[int, int], tuple[int, int, int, int]]) -> dict[
     """The model step with pick_mma_blocks returning picks[(n, k)] for those products' shapes."""
     original = linear_cuda.pick_mma_blocks
 
-    def pick(n: int, k: int, rows: int = 1) -> dict[str, int]:
+    def pick(n: int, k: int, rows: int = 1, clusters: bool = False) -> dict[str, int]:
         if (n, k) in picks:
             tiles, ksplit, d, kc = picks[(n, k)]
             return {"TILES": tiles, "KSPLIT": ksplit, "D": d, "MINB": 0, "KC": kc}
-        return original(n, k, rows)
+        return original(n, k, rows, False)
 
     linear_cuda.pick_mma_blocks = pick
     try:
@@ -95,7 +95,7 @@ def main() -> None:
              for label in table["down_q4k"]}
     down, wo = best(table["down_q4k"]), best(table["wo"])
     print("best: down", down, "wo", wo, flush=True)
-    models = {"current": model_with({}), f"down {down}": model_with({(1536, 8960): shape[down]}),
+    models = {"one block a tile": model_with({}), f"down {down}": model_with({(1536, 8960): shape[down]}),
               f"down {down}, wo {wo}": model_with({(1536, 8960): shape[down], (1536, 1536): shape[wo]})}
     for label, steps in models.items():
         print(f"model {label:32s}", " ".join(f"{v:>8}" for v in steps.values()), flush=True)

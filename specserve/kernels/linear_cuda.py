@@ -793,17 +793,22 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
     return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
-def pick_mma_blocks(n: int, k: int, rows: int = 1) -> dict[str, int]:
-    """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D), and
-    MINB, the blocks per SM the registers must leave room for (0: as many as put the grid in one wave,
-    `one_wave_blocks`). KSPLIT and D come from the shape only, so a row's sums run in the same order
-    for any number of rows. From H200 sweeps (kernel_notes.md v7, v8): several rows take more registers
-    than one, and gate_up's 560 blocks then needed a second wave (2 rows: 10.9 -> 16.6 us; bounded:
-    12.4); the output matrix's bound made 8 rows spill (145 -> 227 us) until RMSNorm-fused products
-    staged 4 rows per pass (v8: bounded 121 us); 9-16 rows stay unbounded there (not measured). Three
-    tiles per block (gate_up: 374 blocks, 2.8 per SM, instead of 560, 4.2) balance the SMs better and
-    stage the activations fewer times: 1 / 8 rows 10.7 / 15.2 -> 9.7 / 12.9 us."""
+def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> dict[str, int]:
+    """16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D), blocks of
+    a cluster splitting K (KC) and MINB, the blocks per SM the registers must leave room for (0: as many
+    as put the grid in one wave, `one_wave_blocks`). KSPLIT, D and KC come from the shape only (and from
+    `clusters`: sm_90+ and no RMSNorm folded in), so a row's sums run in the same order for any number of
+    rows. down (K = 8960) splits K four ways across a cluster (kernel_notes.md v14): one row costs
+    0.2-0.3 us more, 6 / 8 / 16 rows 1.1 / 2.3 / 5.7 us less (v7's 16 warps of one block each stage all
+    of K for every row); two tiles a block up to 2 rows, four above. From H200 sweeps (kernel_notes.md v7,
+    v8): several rows take more registers than one, and gate_up's 560 blocks then needed a second wave
+    (2 rows: 10.9 -> 16.6 us; bounded: 12.4); the output matrix's bound made 8 rows spill (145 -> 227 us)
+    until RMSNorm-fused products staged 4 rows per pass (v8: bounded 121 us); 9-16 rows stay unbounded
+    there (not measured). Three tiles per block (gate_up: 374 blocks, 2.8 per SM, instead of 560, 4.2)
+    balance the SMs better and stage the activations fewer times: 1 / 8 rows 10.7 / 15.2 -> 9.7 / 12.9 us."""
     n_tiles = -(-n // 16)
+    if n_tiles <= 256 and k >= 4096 and clusters:
+        return {"TILES": 2 if rows <= 2 else 4, "KSPLIT": 4, "D": 2, "KC": 4, "MINB": 0}
     if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K; unbounded (one wave
         return {"TILES": 1, "KSPLIT": 16, "D": 2, "MINB": 1}  # on an H200, and 512 threads would spill under a bound)
     if n_tiles <= 2048:
@@ -1127,8 +1132,9 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
 
         def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
             """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
-            cfg = {"KC": 1, **pick_mma_blocks(n_out, k, rows), **(blocks or {})}
-            if fused[1] or not _clusters(device):  # RMSNorm takes whole rows
+            clusters = _clusters(device) and not fused[1]  # RMSNorm takes whole rows
+            cfg = {"KC": 1, **pick_mma_blocks(n_out, k, rows, clusters), **(blocks or {})}
+            if not clusters:
                 cfg["KC"] = 1
             grid = -(-n_tiles // cfg["TILES"]) * cfg["KC"]
             threads = 32 * cfg["TILES"] * cfg["KSPLIT"]
