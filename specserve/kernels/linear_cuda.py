@@ -20,7 +20,9 @@ of its input (NORM: x * weight staged, 1/rms from per-group sums of squares scal
 end), SwiGLU of its output (SWIGLU: a tile pairs gate rows with their up rows), the residual add
 (ACCUM: out += product, in place) and RoPE with the KV-cache write (ROPE: a tile pairs rotation
 partners; `RopeWrite`). On sm_90 it is launched as a programmatic dependent (`_launch_ex`):
-weights load before `griddepcontrol.wait`, activations after it.
+weights load before `griddepcontrol.wait`, activations after it. On sm_90+ the blocks of a thread-block
+cluster may split K (KC): each stages and multiplies a contiguous share of whole steps, and the cluster's
+first block adds the others' sums, in rank order, from their shared memory before its epilogue.
 `gemv_q`: CUDA cores. A lane walks whole groups of one row (one 16-byte load), a bit field
 becomes the fp32 value 1 + u / 2^bits by moving it under 1.0's exponent, and per group
 s * sum(u x) - min * sum(x) is recovered from sum((1 + u / 2^bits) x) and sum(x). It also takes
