@@ -178,7 +178,7 @@ def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: b
 ])
 @pytest.mark.parametrize("n_out,k,bias,silu_input,out_fp32", [
     (40, 128, False, False, False), (130, 1536, True, False, False), (72, 8960, False, True, False),
-    (1000, 4096, True, True, True),
+    (1000, 4096, True, True, True), (32784, 256, False, False, True),  # > 2048 tiles: the output matrix's blocks
 ])
 def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: int, bias: bool, silu_input: bool,
                    out_fp32: bool) -> None:

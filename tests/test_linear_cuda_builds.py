@@ -74,12 +74,18 @@ def test_rmsnorm_folds_in_only_where_sixteen_rows_stage_whole() -> None:
 
 def test_block_shapes_keep_the_summation_order_across_row_counts() -> None:
     """Only which warps share a block (TILES) and the register bound (MINB) may follow the row count:
-    KSPLIT and D set the order of a row's sums, which decode and verify steps must share."""
-    for n, k in ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)):
-        one = linear_cuda.pick_mma_blocks(n, k, 1)
-        for rows in range(2, 17):
-            cfg = linear_cuda.pick_mma_blocks(n, k, rows)
-            assert (cfg["KSPLIT"], cfg["D"]) == (one["KSPLIT"], one["D"]), (n, k, rows)
+    KSPLIT, D and KC (blocks of a cluster splitting K) set the order of a row's sums, which decode and
+    verify steps must share; down's shape splits K across a cluster where clusters exist."""
+    def order(cfg: dict[str, int]) -> tuple[int, int, int]:
+        return cfg["KSPLIT"], cfg["D"], cfg.get("KC", 1)
+
+    for clusters in (False, True):
+        for n, k in ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)):
+            one = linear_cuda.pick_mma_blocks(n, k, 1, clusters)
+            for rows in range(2, 17):
+                assert order(linear_cuda.pick_mma_blocks(n, k, rows, clusters)) == order(one), (n, k, rows)
+    assert linear_cuda.pick_mma_blocks(1536, 8960, 1, True)["KC"] == 4
+    assert order(linear_cuda.pick_mma_blocks(1536, 8960, 1, False)) == (16, 2, 1)
 
 
 def test_register_bound_aims_at_one_wave_within_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,12 @@ with the same instructions in any launch, so the products could as well run as l
 
   one      up to 16 rows per launch (the source as it is)
   split8   launches of at most 8 rows
+  mu8      (v15) one launch; products with unbounded registers and no SiLU staging stage 8 rows per pass
+           above 8 rows too (4 before: 2-4 passes of L2 loads at 9-16 rows instead of 1-2)
+  mu16     the same, all rows in one pass
+  blocks   (v15) tiles per block and the register bound (neither changes a row's sums) of gate_up and the
+           output matrix at 8-16 rows: above 8 rows the output matrix runs unbounded (112 registers, one
+           512-thread block per SM instead of two)
 
 Prints and writes the fused products and the model's GPU us per graph replay at the ROWS below (random
 weights in the Q4_K_M layout). Run from the repository root on a CUDA machine:
@@ -16,6 +22,7 @@ weights in the Q4_K_M layout). Run from the repository root on a CUDA machine:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,18 +33,52 @@ import staging_units as su  # noqa: E402
 
 from specserve.kernels import linear_cuda  # noqa: E402
 
-VARIANTS = {"one": 16, "split8": 8}
+VARIANTS = {"one": 16, "split8": 8, "mu8": 16, "mu16": 16}
+MU_RULES = {"mu8": "#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || (REGS < 128 && NORM) ? (M < 4 ? M : 4) "
+                   ": (M < 8 ? M : 8))",
+            "mu16": "#define MU (REGS <= 64 ? (M < 2 ? M : 2) : SILU || (REGS < 128 && NORM) ? (M < 4 ? M : 4) : M)"}
 ROWS = (8, 9, 12, 16)
 
 
 def run_one(variant: str, out_dir: Path) -> None:
     linear_cuda.ROWS_PER_LAUNCH = VARIANTS[variant]
+    if variant in MU_RULES:
+        source, names = linear_cuda.KERNELS["gemv_mma"]
+        assert su.CURRENT_MU in source
+        linear_cuda.KERNELS["gemv_mma"] = (source.replace(su.CURRENT_MU, MU_RULES[variant]), names)
     result = {"variant": variant, "fused": su.fused_products(ROWS), "model": kb.gguf_model_step_us((1, *ROWS))}
     print(variant, "model", result["model"], flush=True)
     (out_dir / f"rows_9_16_{variant}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
+BLOCKS = {"output": [(8, 2, 1, 1), (8, 2, 1, 2), (4, 2, 1, 2), (4, 2, 1, 3), (16, 2, 1, 1)],
+          "gate_up": [(3, 2, 2, 0), (3, 2, 2, 1), (2, 2, 2, 0), (4, 2, 2, 0), (6, 2, 2, 0), (2, 2, 2, 2)]}
+
+
+def blocks_main(out_dir: Path) -> None:
+    """`blocks`: GPU us per fused call of BLOCKS' (TILES, KSPLIT, D, MINB; 0: one wave) at 8-16 rows."""
+    table: dict[str, dict[str, dict[int, object]]] = {}
+    for name, shapes in BLOCKS.items():
+        n, k, _silu, bits, group = kb.MATRICES[name]
+        qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
+        table[name] = {}
+        for tiles, ksplit, d, minb in shapes:
+            blocks = {"TILES": tiles, "KSPLIT": ksplit, "D": d, "MINB": minb}
+            calls = {m: kb.fused_call(name, m, qs, k) for m in ROWS}
+            kb.prebuild_calls([lambda c=c, b=blocks: c(b) for c in calls.values()])
+            label = f"t{tiles}k{ksplit}d{d}b{minb}"
+            table[name][label] = {m: kb.timed(lambda c=c, b=blocks: c(b), 2 * len(qs.items),
+                                              qs.items[0].n_bytes())["us"] for m, c in calls.items()}
+            print(f"{name:8s} {label:10s}", " ".join(f"{v:>8}" for v in table[name][label].values()), flush=True)
+    (out_dir / "rows_9_16_blocks.json").write_text(json.dumps(table, indent=1) + "\n")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["blocks"]:
+        out_dir = Path(os.environ.get("OUT", "/tmp"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        blocks_main(out_dir)
+        return
     su.experiment_main(run_one, __file__, "rows_9_16", VARIANTS, ROWS)
 
 

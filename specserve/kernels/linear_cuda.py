@@ -805,9 +805,10 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> di
     of K for every row); two tiles a block up to 2 rows, four above. From H200 sweeps (kernel_notes.md v7,
     v8): several rows take more registers than one, and gate_up's 560 blocks then needed a second wave
     (2 rows: 10.9 -> 16.6 us; bounded: 12.4); the output matrix's bound made 8 rows spill (145 -> 227 us)
-    until RMSNorm-fused products staged 4 rows per pass (v8: bounded 121 us); 9-16 rows stay unbounded
-    there (not measured). Three tiles per block (gate_up: 374 blocks, 2.8 per SM, instead of 560, 4.2)
-    balance the SMs better and stage the activations fewer times: 1 / 8 rows 10.7 / 15.2 -> 9.7 / 12.9 us."""
+    until RMSNorm-fused products staged 4 rows per pass (v8: bounded 121 us); at 9-16 rows bounded too
+    (two blocks an SM: 140-144 us against 169-170 unbounded, v15). Three tiles per block (gate_up: 374
+    blocks, 2.8 per SM, instead of 560, 4.2) balance the SMs better and stage the activations fewer times:
+    1 / 8 rows 10.7 / 15.2 -> 9.7 / 12.9 us."""
     n_tiles = -(-n // 16)
     if n_tiles <= 256 and k >= 4096 and clusters:
         return {"TILES": 2 if rows <= 2 else 4, "KSPLIT": 4, "D": 2, "KC": 4, "MINB": 0}
@@ -815,7 +816,7 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> di
         return {"TILES": 1, "KSPLIT": 16, "D": 2, "MINB": 1}  # on an H200, and 512 threads would spill under a bound)
     if n_tiles <= 2048:
         return {"TILES": 3, "KSPLIT": 2, "D": 2, "MINB": 0}
-    return {"TILES": 8, "KSPLIT": 2, "D": 1, "MINB": 0 if rows <= 8 else 1}
+    return {"TILES": 8, "KSPLIT": 2, "D": 1, "MINB": 0}
 
 
 @cache
