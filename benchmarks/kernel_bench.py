@@ -339,7 +339,7 @@ class Rotation:
 
 def prebuild_calls(calls: list[Callable[[], object]]) -> None:
     """Builds the variants these calls launch, all at once: the calls run first with a stand-in for
-    the built kernel that records its key and launches nothing (through the plain launcher)."""
+    the built kernel that records its key and launches nothing (neither launcher runs)."""
     keys: list[tuple] = []
     stand_in = lambda key, sibling=None: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
     no_launch = lambda *args: None  # noqa: E731 - clusters launch through cuLaunchKernelEx

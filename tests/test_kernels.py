@@ -276,9 +276,10 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 @pytest.mark.parametrize("kc", [2, 3, 4])
 def test_residual_add_with_k_split_across_a_cluster(kc: int) -> None:
-    """A product whose K is split across the blocks of a cluster (down's shape) adds to the residual stream
-    what the reference computes (to fp32 rounding: the shares are summed in another order than one block
-    sums them), and each row of a multi-row call bit for bit what a one-row call adds."""
+    """A product whose K is split across the blocks of a cluster (down's shape; sm_90+, one block a tile
+    elsewhere) adds to the residual stream what the reference computes (to fp32 rounding: the shares are
+    summed in another order than one block sums them), and each row of a multi-row call bit for bit what a
+    one-row call adds."""
     from specserve.kernels import linear_cuda
     from specserve.kernels.linear import linear_ref
 
