@@ -275,7 +275,7 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 @pytest.mark.parametrize("kc", [2, 3, 4])
-def test_residual_add_with_k_split_across_a_cluster(kc: int) -> None:
+def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A product whose K is split across the blocks of a cluster (down's shape; sm_90+, one block a tile
     elsewhere) adds to the residual stream what the reference computes (to fp32 rounding: the shares are
     summed in another order than one block sums them), and each row of a multi-row call bit for bit what a
@@ -288,6 +288,14 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int) -> None:
     x = torch.randn(16, k, device=DEVICE).to(DTYPE)
     residual = torch.randn(16, n, device=DEVICE).to(DTYPE)
     blocks = {"TILES": 1, "KSPLIT": 4, "D": 2, "KC": kc}
+    built = linear_cuda._kernel
+    launched: set[int] = set()  # the KC of every variant launched
+
+    def spy(key: tuple, sibling: object = None) -> object:
+        launched.add(key[-1])
+        return built(key, sibling)
+
+    monkeypatch.setattr(linear_cuda, "_kernel", spy)
 
     def add(lo: int, hi: int) -> torch.Tensor:
         stream = residual[lo:hi].clone()
@@ -301,6 +309,7 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int) -> None:
         assert rel_err(got, residual[:rows].float() + product) < TOL
         assert rel_err(got.float() - residual[:rows].float(), product) < TOL
         assert torch.equal(got, singles[:rows])
+    assert launched == ({kc} if torch.cuda.get_device_capability()[0] >= 9 else {1})
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")

@@ -17,10 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_bench as kb  # noqa: E402
+import staging_units as su  # noqa: E402
 
 from specserve.kernels import linear_cuda  # noqa: E402
 
@@ -31,24 +31,15 @@ SHAPES = [(1, 16, 2, 1), (1, 8, 2, 2), (1, 4, 2, 4), (1, 8, 2, 4), (1, 4, 4, 4),
 PRODUCTS = ("down_q4k", "down_q6k", "wo")
 
 
+def label(shape: tuple[int, int, int, int]) -> str:
+    tiles, ksplit, d, kc = shape
+    return f"t{tiles}k{ksplit}d{d}c{kc}"
+
+
 def products(names: tuple[str, ...] = PRODUCTS, shapes: list[tuple[int, int, int, int]] = SHAPES,
              rows: tuple[int, ...] = ROWS) -> dict[str, dict[str, dict[int, float | str]]]:
-    out: dict[str, dict[str, dict[int, float | str]]] = {}
-    for name in names:
-        n, k, _silu, bits, group = kb.MATRICES[name]
-        qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
-        out[name] = {}
-        for tiles, ksplit, d, kc in shapes:
-            blocks = {"TILES": tiles, "KSPLIT": ksplit, "D": d, "KC": kc, "MINB": 0}
-            label = f"t{tiles}k{ksplit}d{d}c{kc}"
-            calls = {m: kb.fused_call(name, m, qs, k) for m in rows}
-            kb.prebuild_calls([lambda c=c, b=blocks: c(b) for c in calls.values()])
-            out[name][label] = {m: kb.timed(lambda c=c, b=blocks: c(b), 2 * len(qs.items), qs.items[0].n_bytes())["us"]
-                                for m, c in calls.items()}
-            print(f"{name:9s} {label:12s}", " ".join(f"{v:>7}" for v in out[name][label].values()), flush=True)
-        del qs
-        torch.cuda.empty_cache()
-    return out
+    blocks = {label(s): {"TILES": s[0], "KSPLIT": s[1], "D": s[2], "KC": s[3], "MINB": 0} for s in shapes}
+    return {name: su.time_blocks(name, blocks, rows) for name in names}
 
 
 def best(table: dict[str, dict[int, float | str]]) -> str:
@@ -91,14 +82,13 @@ def main() -> None:
         tiles_main(out_dir)
         return
     table = products()
-    shape = {label: tuple(int(p) for p in label[1:].replace("k", " ").replace("d", " ").replace("c", " ").split())
-             for label in table["down_q4k"]}
+    shape = {label(s): s for s in SHAPES}
     down, wo = best(table["down_q4k"]), best(table["wo"])
     print("best: down", down, "wo", wo, flush=True)
     models = {"one block a tile": model_with({}), f"down {down}": model_with({(1536, 8960): shape[down]}),
               f"down {down}, wo {wo}": model_with({(1536, 8960): shape[down], (1536, 1536): shape[wo]})}
-    for label, steps in models.items():
-        print(f"model {label:32s}", " ".join(f"{v:>8}" for v in steps.values()), flush=True)
+    for what, steps in models.items():
+        print(f"model {what:32s}", " ".join(f"{v:>8}" for v in steps.values()), flush=True)
     result = {"rows": ROWS, "products": table, "model": models}
     (out_dir / "cluster_split.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -57,19 +57,9 @@ BLOCKS = {"output": [(8, 2, 1, 1), (8, 2, 1, 2), (4, 2, 1, 2), (4, 2, 1, 3), (16
 
 def blocks_main(out_dir: Path) -> None:
     """`blocks`: GPU us per fused call of BLOCKS' (TILES, KSPLIT, D, MINB; 0: one wave) at 8-16 rows."""
-    table: dict[str, dict[str, dict[int, object]]] = {}
-    for name, shapes in BLOCKS.items():
-        n, k, _silu, bits, group = kb.MATRICES[name]
-        qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
-        table[name] = {}
-        for tiles, ksplit, d, minb in shapes:
-            blocks = {"TILES": tiles, "KSPLIT": ksplit, "D": d, "MINB": minb}
-            calls = {m: kb.fused_call(name, m, qs, k) for m in ROWS}
-            kb.prebuild_calls([lambda c=c, b=blocks: c(b) for c in calls.values()])
-            label = f"t{tiles}k{ksplit}d{d}b{minb}"
-            table[name][label] = {m: kb.timed(lambda c=c, b=blocks: c(b), 2 * len(qs.items),
-                                              qs.items[0].n_bytes())["us"] for m, c in calls.items()}
-            print(f"{name:8s} {label:10s}", " ".join(f"{v:>8}" for v in table[name][label].values()), flush=True)
+    table = {name: su.time_blocks(name, {f"t{t}k{ks}d{d}b{mb}": {"TILES": t, "KSPLIT": ks, "D": d, "MINB": mb}
+                                         for t, ks, d, mb in shapes}, ROWS)
+             for name, shapes in BLOCKS.items()}
     (out_dir / "rows_9_16_blocks.json").write_text(json.dumps(table, indent=1) + "\n")
 
 

@@ -67,19 +67,27 @@ def use_variant(name: str) -> None:
     linear_cuda.KERNELS["gemv_mma"] = (source.replace(MU_RULE, mu).replace(RU_RULE, ru), names)
 
 
-def fused_products(rows: tuple[int, ...] = ROWS) -> dict[str, dict[int, float]]:
-    """GPU us per call of each fused product at each row count (the variant in use)."""
-    out: dict[str, dict[int, float]] = {}
-    for name in PRODUCTS:
-        n, k, _silu, bits, group = kb.MATRICES[name]
-        qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
-        calls = {m: kb.fused_call(name, m, qs, k) for m in rows}
-        kb.prebuild_calls(list(calls.values()))
-        out[name] = {m: kb.timed(c, 2 * len(qs.items), qs.items[0].n_bytes())["us"] for m, c in calls.items()}
-        print(name, out[name], flush=True)
-        del qs
-        torch.cuda.empty_cache()
+def time_blocks(name: str, shapes: dict[str, dict[str, int] | None],
+                rows: tuple[int, ...]) -> dict[str, dict[int, float | str]]:
+    """GPU us per call of product `name` (as the fused path runs it) at each row count, for each labelled
+    block shape (None: what the kernel picks)."""
+    n, k, _silu, bits, group = kb.MATRICES[name]
+    qs = kb.Rotation(kb.quant_copies(n, k, bits, group))
+    calls = {m: kb.fused_call(name, m, qs, k) for m in rows}
+    out: dict[str, dict[int, float | str]] = {}
+    for label, blocks in shapes.items():
+        kb.prebuild_calls([lambda c=c, b=blocks: c(b) for c in calls.values()])
+        out[label] = {m: kb.timed(lambda c=c, b=blocks: c(b), 2 * len(qs.items), qs.items[0].n_bytes())["us"]
+                      for m, c in calls.items()}
+        print(f"{name:10s} {label:12s}", " ".join(f"{v:>8}" for v in out[label].values()), flush=True)
+    del qs, calls
+    torch.cuda.empty_cache()
     return out
+
+
+def fused_products(rows: tuple[int, ...] = ROWS) -> dict[str, dict[int, float | str]]:
+    """GPU us per call of each fused product at each row count (the variant in use)."""
+    return {name: time_blocks(name, {"picked": None}, rows)["picked"] for name in PRODUCTS}
 
 
 def run_one(variant: str, out_dir: Path) -> None:

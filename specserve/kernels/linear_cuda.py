@@ -886,15 +886,15 @@ CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+@cache
+def _sm90(device: int) -> bool:
+    """sm_90 or newer: programmatic dependent launch, thread-block clusters (distributed shared memory)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pdl_enabled(device: int) -> bool:
     """Programmatic dependent launch for the tensor-core kernel: sm_90+ and SPECSERVE_PDL not "0"."""
-    return os.environ.get("SPECSERVE_PDL") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@cache
-def _clusters(device: int) -> bool:
-    """Thread-block clusters (distributed shared memory): sm_90+."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return os.environ.get("SPECSERVE_PDL") != "0" and _sm90(device)
 
 
 def _launch_ex(kernel: Any, grid: int, block: int, args: list, shared_mem: int, dependent: bool,
@@ -1135,10 +1135,9 @@ def _launch(kernel: str, x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | 
 
         def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
             """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
-            clusters = _clusters(device) and not fused[1]  # RMSNorm takes whole rows
-            cfg = {"KC": 1, **pick_mma_blocks(n_out, k, rows, clusters), **(blocks or {})}
-            if not clusters:
-                cfg["KC"] = 1
+            clusters = _sm90(device) and not fused[1]  # RMSNorm takes whole rows
+            cfg = {**pick_mma_blocks(n_out, k, rows, clusters), **(blocks or {})}
+            cfg["KC"] = cfg.get("KC", 1) if clusters else 1
             grid = -(-n_tiles // cfg["TILES"]) * cfg["KC"]
             threads = 32 * cfg["TILES"] * cfg["KSPLIT"]
             cg, row_bytes = mma_chunk(rows, k_share(k, w.group, per_step, cfg["KC"]), w.group,
