@@ -371,6 +371,13 @@ __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
 #endif
     return r;
 }
+// both halves of a * b rounded to bf16 once: what round_bf(lo_bf(a) * lo_bf(b)) gives (the fp32 product of two
+// bf16 values is exact), in one instruction (the -0 added keeps a product's sign when it is zero)
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
 // The 4 lanes of a quad hold 4 consecutive 16-byte units of a row (lane j: unit j); afterwards lane t
 // holds word t of every unit (v[j]: word t of unit j), the words its MMA fragments take.
 __device__ __forceinline__ void quad_transpose(unsigned (&v)[4], int t) {
@@ -588,8 +595,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
 #pragma unroll
                         for (int h = 0; h < 4; ++h) {
                             sq = __fmaf_rn(v[2 * h + 1], v[2 * h + 1], __fmaf_rn(v[2 * h], v[2 * h], sq));
-                            v[2 * h] = round_bf(v[2 * h] * lo_bf(pw[h]));
-                            v[2 * h + 1] = round_bf(v[2 * h + 1] * hi_bf(pw[h]));
+                            const unsigned xw = mul_bf16x2(pa[h], pw[h]);
+                            v[2 * h] = lo_bf(xw);
+                            v[2 * h + 1] = hi_bf(xw);
                         }
 #endif
 #endif
