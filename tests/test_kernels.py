@@ -247,6 +247,32 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+def test_bf16x2_products_round_like_fp32_products() -> None:
+    """RMSNorm staging multiplies x by its weight two bf16 values at a time (mul_bf16x2: one fma.rn.bf16x2
+    adding -0); that must give the fp32 product rounded to bf16 (torch's bf16 multiply, and what the staging
+    did value by value before): bit patterns drawn over the whole range (subnormals, products that overflow
+    or underflow), signed zeros; NaN only as NaN."""
+    from specserve.kernels import linear_cuda
+
+    source = linear_cuda.COMMON + r"""
+extern "C" __global__ void mul_pairs(const unsigned* a, const unsigned* b, unsigned* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = mul_bf16x2(a[i], b[i]);
+}"""
+    kernel = torch.cuda._compile_kernel(source, "mul_pairs")
+    n = 1 << 20
+    bits = torch.randint(-(1 << 15), 1 << 15, (2, 2 * n), dtype=torch.int16, device=DEVICE)
+    bits[:, :4] = torch.tensor([0, -(1 << 15), 1, -(1 << 15) + 1], dtype=torch.int16)  # +0, -0, subnormals
+    a, b = bits.view(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    kernel(grid=(n // 256, 1, 1), block=(256, 1, 1), args=[a.view(torch.int32), b.view(torch.int32), out, n])
+    got, ref = out.view(torch.bfloat16), (a.float() * b.float()).to(torch.bfloat16)
+    nan = ref.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.float().mean() < 0.01
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 @pytest.mark.parametrize("fmt", ["k32min", "k16"])
 def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
     """RMSNorm folded into the tensor-core kernel's input matches rms_norm then the product (to bf16

@@ -69,6 +69,13 @@ __device__ __forceinline__ unsigned to_bf(float f) {  // round to nearest even, 
     return h;
 }
 __device__ __forceinline__ float round_bf(float f) { return __uint_as_float(to_bf(f) << 16); }
+// both halves of a * b rounded to bf16 once: what round_bf(lo_bf(a) * lo_bf(b)) gives (the fp32 product of two
+// bf16 values is exact), in one instruction (the -0 added keeps a product's sign when it is zero)
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
 __device__ __forceinline__ float half_to_float(unsigned h) {
     float f;
     unsigned short s = (unsigned short)h;
@@ -369,13 +376,6 @@ __device__ __forceinline__ unsigned field_pair(unsigned w, int s) {
     const float b = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7442 + s)) - 8388608.0f;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
 #endif
-    return r;
-}
-// both halves of a * b rounded to bf16 once: what round_bf(lo_bf(a) * lo_bf(b)) gives (the fp32 product of two
-// bf16 values is exact), in one instruction (the -0 added keeps a product's sign when it is zero)
-__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
     return r;
 }
 // The 4 lanes of a quad hold 4 consecutive 16-byte units of a row (lane j: unit j); afterwards lane t
