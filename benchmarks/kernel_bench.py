@@ -81,9 +81,10 @@ def replay_us(g: torch.cuda.CUDAGraph, reps: int = 30) -> float:
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
     """The captured graph for `rows` rows, its inputs set to rows at positions base.. of sequence 0."""
     step = runner.graphs.graphs[(rows, False)]
-    step.inputs[0] = [7 * i + 3 for i in range(rows)]  # pinned: the graph's first node uploads them
-    step.inputs[1] = range(base, base + rows)
-    step.inputs[2] = 0
+    host = step.inputs.write()  # pinned: the graph's first node uploads them
+    host[0] = [7 * i + 3 for i in range(rows)]
+    host[1] = range(base, base + rows)
+    host[2] = 0
     return step.graph
 
 

@@ -170,10 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from specserve import catalog
-    from specserve.gguf.chat_template import apply_chat_template
     from specserve.session import GenerationSession
     from specserve.speculative.factory import build_chain
-    from specserve.workloads import load_workloads
+    from specserve.workloads import workload_prompts
 
     if args.n_prompt < 1 or args.n_gen < 1 or args.repeat < 1:
         raise SpecserveError("-p, -n and --repeat must be at least 1")
@@ -217,8 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         roofline = bw / bytes_per_token(runner)
         result.update(copy_bandwidth_gb_s=round(bw / 1e9, 1), roofline_tokens_per_s=round(roofline, 1),
                       tg_roofline_fraction=round(tg / roofline, 3))
-    code_edit = [session.tokenizer.encode(apply_chat_template(session.tokenizer, m), add_special=False)
-                 for m in load_workloads(args.prompts)["code_edit"]]
+    code_edit = workload_prompts(session.tokenizer, "code_edit", args.prompts)
     none_rate, _, none_out = greedy_decode_rate(runner, code_edit, args.n_gen, session.tokenizer.is_eog, lambda: None,
                                                 repeat=args.repeat)
     rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))

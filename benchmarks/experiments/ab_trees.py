@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-from host_gaps import load_code_edits
+from host_gaps import CHAINS, load_code_edits
 
 import specserve
 from specserve.bench import greedy_decode_rate
-from specserve.speculative.base import SpecParams
-from specserve.speculative.factory import build_chain
 
 
 def main(label: str) -> None:
@@ -24,8 +22,7 @@ def main(label: str) -> None:
     tok = session.tokenizer
     res: dict[str, object] = {"tree": label, "where": specserve.__file__}
     outputs = {}
-    factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
-    for name, factory in factories.items():
+    for name, factory in CHAINS.items():
         rate, _, outputs[name] = greedy_decode_rate(session.runner, prompts, 128, tok.is_eog, factory, repeat=5)
         res[name] = round(rate, 1)
     res["x"] = round(res["ngram-suffix"] / res["none"], 3)  # type: ignore[operator]

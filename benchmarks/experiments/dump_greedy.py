@@ -11,17 +11,16 @@ import os
 import sys
 
 from specserve.bench import greedy_decode_rate
-from specserve.gguf.chat_template import apply_chat_template
 from specserve.session import GenerationSession
-from specserve.workloads import load_workloads
+from specserve.workloads import load_workloads, workload_prompts
 
 
 def main(weight_format: str, n_predict: int) -> None:
     session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format=weight_format, progress=False)
     tok = session.tokenizer
     out: dict[str, list[dict[str, list[int]]]] = {}
-    for category, items in load_workloads(None).items():
-        prompts = [tok.encode(apply_chat_template(tok, m), add_special=False) for m in items]
+    for category in load_workloads(None):
+        prompts = workload_prompts(tok, category)
         _, _, outputs = greedy_decode_rate(session.runner, prompts, n_predict, tok.is_eog, lambda: None)
         out[category] = [{"prompt": p, "output": o} for p, o in zip(prompts, outputs, strict=True)]
         print(category, [len(o) for o in outputs], flush=True)

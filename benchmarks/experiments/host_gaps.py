@@ -26,9 +26,13 @@ from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
 from specserve.workloads import load_workloads
 
+# the code edits' rates are compared without speculation and with ngram-suffix
+CHAINS = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
+
 
 def load_code_edits(weight_format: str) -> tuple[GenerationSession, list[list[int]]]:
-    """The model with its graphs captured, and the code-edit prompts' tokens."""
+    """The model with its graphs captured, and the code-edit prompts' tokens (encoded here rather than by
+    specserve.workloads.workload_prompts, so that ab_trees.py can run trees from before it)."""
     session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format=weight_format, progress=False)
     session.runner.warmup(17)
     tok = session.tokenizer
@@ -42,10 +46,9 @@ def main(label: str, weight_format: str) -> None:
     is_eog = session.tokenizer.is_eog
     res: dict = {"label": label, "format": weight_format,
                  "steps_ms": {n: round(bench_step(runner, n) * 1e3, 3) for n in (1, 2, 4, 5, 6, 8)}}
-    factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
     outputs = {}
     for _ in range(3):
-        for name, factory in factories.items():
+        for name, factory in CHAINS.items():
             rate, stats, outputs[name] = greedy_decode_rate(runner, prompts, 128, is_eog, factory)
             res.setdefault(name, []).append(round(rate, 1))
             res[name + "_tok_fwd"] = round(stats.generated / stats.target_forwards, 3)
@@ -74,7 +77,7 @@ def main(label: str, weight_format: str) -> None:
     torch.cuda.Event.synchronize = timed_synchronize
     try:
         profile = {}
-        for name, factory in factories.items():
+        for name, factory in CHAINS.items():
             marks.clear()
             rate, _, _ = greedy_decode_rate(runner, prompts, 128, is_eog, factory)
             torch.cuda.synchronize()

@@ -19,12 +19,11 @@ import sys
 import time
 
 import torch
-from host_gaps import load_code_edits  # this folder is on the path when run as a script
+from host_gaps import CHAINS, load_code_edits  # this folder is on the path when run as a script
 
 from specserve.bench import greedy_decode_rate
 from specserve.engine import host_copy
-from specserve.speculative.base import Chain, SpecParams
-from specserve.speculative.factory import build_chain
+from specserve.speculative.base import Chain
 
 Mark = tuple[str, float]
 
@@ -98,9 +97,8 @@ def main(weight_format: str) -> None:
     session, prompts = load_code_edits(weight_format)
     runner = session.runner
     is_eog = session.tokenizer.is_eog
-    factories = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
     res: dict = {"format": weight_format}
-    for name, factory in factories.items():
+    for name, factory in CHAINS.items():
         rate, stats, _ = greedy_decode_rate(runner, prompts, 128, is_eog, factory, repeat=3)
         res[name] = round(rate, 1)
         res[name + "_forwards"] = stats.target_forwards
@@ -110,7 +108,7 @@ def main(weight_format: str) -> None:
     marks: list[Mark] = []
     saved = patch(marks, kinds)
     try:
-        greedy_decode_rate(runner, prompts, 128, is_eog, factories["ngram-suffix"])
+        greedy_decode_rate(runner, prompts, 128, is_eog, CHAINS["ngram-suffix"])
         torch.cuda.synchronize()
     finally:
         for owner, name, fn in saved:

@@ -321,12 +321,12 @@ def tokens(n: int, salt: int) -> list[int]:
 
 def write_inputs(runner, n: int, salt: int) -> object:  # noqa: ANN001 - LocalRunner; returns its StepGraph
     step = runner.graphs.graphs[(n, False)]
-    step.done.synchronize()
-    step.inputs[0, :n] = tokens(n, salt)
-    step.inputs[1, :n] = range(BASE, BASE + n)
-    step.inputs[2, :] = 0
-    step.inputs[2, n:] = runner.graphs.pad_seq
-    step.inputs[0:2, n:] = 0
+    host = step.inputs.write()
+    host[0, :n] = tokens(n, salt)
+    host[1, :n] = range(BASE, BASE + n)
+    host[2, :] = 0
+    host[2, n:] = runner.graphs.pad_seq
+    host[0:2, n:] = 0
     return step
 
 
@@ -377,9 +377,8 @@ def loop_bare(runner, switch: StepSwitch | None, poll: bool = False, n: int = 4)
         switch.arm()
     for _ in range(STEPS):
         if switch is None:
-            step.graph.replay()
-            step.done.record()
-            step.done.synchronize()
+            step.inputs.replay(step.graph)
+            step.inputs.done.synchronize()
             continue
         release_and_wait(switch, n - 1, poll)
     if switch is not None:

@@ -26,7 +26,7 @@ import torch
 
 from specserve.engine import cuda_driver
 from specserve.engine.batch import Batch
-from specserve.engine.host_copy import PendingTokens
+from specserve.engine.host_copy import PendingTokens, PinnedInputs
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -52,13 +52,11 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
 
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: np.ndarray  # pinned [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its
-    # index), which the graph's first node uploads
-    device_inputs: torch.Tensor  # where they land (the graph reads its address)
+    inputs: PinnedInputs  # [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its index);
+    # its `done` event also says when the argmax is there
     logits: torch.Tensor
     argmax: np.ndarray | None  # pinned [rows]: each row's argmax, copied back by the last node (graphs of up
     # to ARGMAX_ROWS rows wanting every row)
-    done: torch.cuda.Event  # recorded after each replay: then its inputs are free and its argmax is there
 
 
 class GraphCache:
@@ -112,15 +110,14 @@ class GraphCache:
 
     def _capture(self, key: tuple[int, bool]) -> StepGraph:
         rows, one = key
-        shape = (4 if one else 3, rows)
-        host_in = torch.zeros(shape, dtype=torch.long, pin_memory=True)  # the arrays below keep them alive
-        self._pad_rows(host_in, 0)
-        device_in = torch.zeros(shape, dtype=torch.long, device=self.device)
-        pick = device_in[3, :1] if one else None
+        initial = torch.zeros((4 if one else 3, rows), dtype=torch.long)
+        self._pad_rows(initial, 0)
+        inputs = PinnedInputs(initial, self.device)
+        pick = inputs.on_device[3, :1] if one else None
         host_argmax = torch.zeros(rows, dtype=torch.long, pin_memory=True) if not one and rows <= ARGMAX_ROWS else None
 
         def step() -> torch.Tensor:
-            cuda_driver.copy_async(device_in, host_in)
+            device_in = inputs.upload()
             logits = self.forward(device_in[0], device_in[1], device_in[2], pick)
             if host_argmax is not None:
                 argmax = logits.argmax(dim=-1)
@@ -128,8 +125,7 @@ class GraphCache:
             return logits
 
         graph, logits = self.capture(step)
-        return StepGraph(graph, host_in.numpy(), device_in, logits,
-                         host_argmax.numpy() if host_argmax is not None else None, torch.cuda.Event())
+        return StepGraph(graph, inputs, logits, host_argmax.numpy() if host_argmax is not None else None)
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
@@ -166,7 +162,7 @@ class GraphCache:
         assert key is not None and key[0] <= ARGMAX_ROWS
         step = self._replay(key, tokens, range(position, position + n), [seq] * n, None)
         assert step.argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
-        return PendingTokens(step.argmax[:n], step.done)
+        return PendingTokens(step.argmax[:n], step.inputs.done)
 
     def _replay(self, key: tuple[int, bool], tokens: Sequence[int], positions: Sequence[int],
                 seq_ids: Sequence[int], logit_row: int | None) -> StepGraph:
@@ -175,14 +171,12 @@ class GraphCache:
             self.graphs[key] = self._capture(key)
         step = self.graphs[key]
         n = len(tokens)
-        step.done.synchronize()  # its last replay has read its inputs (at once: it is done by now on the step path)
-        host = step.inputs
+        host = step.inputs.write()  # (at once on the step path: its last replay is done by now)
         host[0, :n] = tokens
         host[1, :n] = positions
         host[2, :n] = seq_ids
         self._pad_rows(host, n)
         if logit_row is not None:
             host[3, 0] = logit_row
-        step.graph.replay()
-        step.done.record()
+        step.inputs.replay(step.graph)
         return step

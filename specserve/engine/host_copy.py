@@ -3,14 +3,42 @@ result and the next step's launch.
 
 Reading a CUDA tensor with `.tolist()` waits for the whole device and copies through pageable
 memory; a copy into a pinned slot with an event waits for that copy only, and the host reads the
-slot through numpy (`HostCopies`). The other way, step graphs upload their inputs from pinned buffers
-of their own as their first node (cuda_graphs.py, LocalRunner.greedy_step).
+slot through numpy (`HostCopies`). The other way, a step graph uploads its inputs from a pinned buffer
+of its own as its first node (`PinnedInputs`: cuda_graphs.py, LocalRunner.greedy_step).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from specserve.engine import cuda_driver
+
+
+class PinnedInputs:
+    """Long values a captured graph uploads from pinned memory as its first node (`upload`, inside the
+    capture). The host writes the next replay's values (`write`) once the last replay is done (`done`, recorded
+    by `replay`: its inputs read, its outputs written)."""
+
+    def __init__(self, values: torch.Tensor, device: torch.device):
+        self.host = values.to(torch.long).pin_memory()
+        self.array = self.host.numpy()  # the same memory
+        self.on_device = self.host.to(device)  # where the graph reads them
+        self.done = torch.cuda.Event()
+
+    def upload(self) -> torch.Tensor:
+        """The copy to the device, as a node of the graph being captured; where the values land."""
+        cuda_driver.copy_async(self.on_device, self.host)
+        return self.on_device
+
+    def write(self) -> np.ndarray:
+        """The buffer to write the next replay's values into, once the last replay has read it."""
+        self.done.synchronize()
+        return self.array
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        graph.replay()
+        self.done.record()
 
 
 class HostCopies:

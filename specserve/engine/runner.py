@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine import cuda_driver
 from specserve.engine.batch import Batch
 from specserve.engine.cuda_graphs import PROMPT_ROWS, GraphCache
-from specserve.engine.host_copy import PendingTokens
+from specserve.engine.host_copy import PendingTokens, PinnedInputs
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
@@ -192,27 +191,18 @@ class LocalRunner:
 
     def _greedy_step_graphs(self) -> GreedyStep:
         assert self.graphs is not None
-        # the capture's warm-up runs write the scratch sequence
-        start_in = torch.tensor([[0], [0], [self.graphs.pad_seq]], dtype=torch.long, pin_memory=True)
-        start_np = start_in.numpy()
-        state = start_in.to(self.device)  # token, position, sequence
-
-        def upload_and_forward() -> torch.Tensor:
-            cuda_driver.copy_async(state, start_in)
-            return self._greedy_forward(state, [])
-
+        # token, position, sequence; the capture's warm-up runs write the scratch sequence
+        start_in = PinnedInputs(torch.tensor([[0], [0], [self.graphs.pad_seq]]), self.device)
+        state = start_in.on_device
         fed, fed_token = self.graphs.capture(lambda: self._greedy_forward(state, []))
-        started, started_token = self.graphs.capture(upload_and_forward)
-        start_read = torch.cuda.Event()  # recorded after each replay of `started`: start_in may be rewritten
+        started, started_token = self.graphs.capture(lambda: self._greedy_forward(start_in.upload(), []))
 
         def step(seq: int, position: int, start: int | None) -> torch.Tensor:
             if start is None:
                 fed.replay()
                 return fed_token
-            start_read.synchronize()
-            start_np[:, 0] = (start, position, seq)
-            started.replay()
-            start_read.record()
+            start_in.write()[:, 0] = (start, position, seq)
+            start_in.replay(started)
             return started_token
 
         return step
