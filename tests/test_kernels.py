@@ -345,8 +345,7 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
     """RoPE and the KV-cache write in the QKV product's epilogue vs the product then rope_and_cache;
     each row of a multi-row call bit for bit a one-row call."""
     from specserve.kernels.linear import linear_fused
-    from specserve.kernels.linear_cuda import RopeWrite
-    from specserve.kernels.rope import rope_and_cache, rope_cos_sin
+    from specserve.kernels.rope import RopeWrite, rope_and_cache, rope_cos_sin
 
     k, ctx, n_seqs = 512, 64, 3
     n_out = (n_heads + 2 * n_kv) * head_dim

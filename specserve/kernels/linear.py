@@ -33,7 +33,7 @@ from specserve.kernels.activation import silu_mul, silu_mul_ref
 from specserve.kernels.dispatch import triton_enabled
 
 if TYPE_CHECKING:
-    from specserve.kernels.linear_cuda import RopeWrite
+    from specserve.kernels.rope import RopeWrite
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)

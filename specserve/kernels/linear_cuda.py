@@ -40,19 +40,18 @@ kernels (linear_triton.py) run instead. SPECSERVE_QUANT_KERNEL=core|triton picks
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
 
 from specserve.kernels.linear import MAX_GEMV_ROWS, QuantWeight
+from specserve.kernels.rope import RopeWrite
 
 WARPS = 8  # per block
 
@@ -1044,33 +1043,6 @@ def mma_chunk(n_rows: int, k: int, group: int, step: int, sums: int = 1) -> tupl
 
 
 ROWS_PER_LAUNCH = MAX_GEMV_ROWS  # the kernels' largest M: more rows run as slices of this many
-
-
-@dataclass
-class RopeWrite:
-    """RoPE and the KV-cache write folded into a [q | k | v] product's epilogue (see gemv)."""
-
-    cos: torch.Tensor  # fp32 [max positions, head_dim / 2] (rope_cos_sin, rotating the whole head)
-    sin: torch.Tensor
-    positions: torch.Tensor  # long [rows]
-    seq_ids: torch.Tensor  # long [rows]
-    k_cache: torch.Tensor  # one layer's [n_seqs, n_kv_heads, ctx, head_dim]
-    v_cache: torch.Tensor
-    n_heads: int
-    n_kv_heads: int
-    style: str  # "neox" or "interleaved"
-
-    @property
-    def head_dim(self) -> int:
-        return self.k_cache.shape[-1]
-
-    def rows(self, start: int, end: int) -> RopeWrite:
-        return dataclasses.replace(self, positions=self.positions[start:end], seq_ids=self.seq_ids[start:end])
-
-    def args(self) -> list:
-        c = self.k_cache
-        return [self.positions, self.seq_ids, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
-                c.stride(0), c.stride(1)]
 
 
 def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out_dtype: torch.dtype,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from specserve.kernels.dispatch import triton_enabled
@@ -63,3 +66,30 @@ def rope_and_cache(
         return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids,
                                           k_cache, v_cache, style)
     return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
+
+
+@dataclass
+class RopeWrite:
+    """RoPE and the KV-cache write folded into a [q | k | v] product's epilogue (see linear.linear_fused)."""
+
+    cos: torch.Tensor  # fp32 [max positions, head_dim / 2] (rope_cos_sin, rotating the whole head)
+    sin: torch.Tensor
+    positions: torch.Tensor  # long [rows]
+    seq_ids: torch.Tensor  # long [rows]
+    k_cache: torch.Tensor  # one layer's [n_seqs, n_kv_heads, ctx, head_dim]
+    v_cache: torch.Tensor
+    n_heads: int
+    n_kv_heads: int
+    style: str  # "neox" or "interleaved"
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[-1]
+
+    def rows(self, start: int, end: int) -> RopeWrite:
+        return dataclasses.replace(self, positions=self.positions[start:end], seq_ids=self.seq_ids[start:end])
+
+    def args(self) -> list:
+        c = self.k_cache
+        return [self.positions, self.seq_ids, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
+                c.stride(0), c.stride(1)]

@@ -7,9 +7,8 @@ import torch.nn.functional as F
 
 from specserve.kernels.attention import attention
 from specserve.kernels.linear import QuantWeight, feed_forward, fusable, linear, linear_fused
-from specserve.kernels.linear_cuda import RopeWrite
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
-from specserve.kernels.rope import rope_and_cache, rope_cos_sin
+from specserve.kernels.rope import RopeWrite, rope_and_cache, rope_cos_sin
 from specserve.model.config import ModelConfig
 from specserve.model.weights import ModelWeights
 
