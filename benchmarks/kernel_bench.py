@@ -1,6 +1,6 @@
 """Decode-path speed on CUDA, per kernel and per model, for bf16 and GGUF-quantized weights.
 
-    python benchmarks/kernel_bench.py [--out DIR] [--sections model,logits,profile,matrices,prefill,fused,probe]
+    python benchmarks/kernel_bench.py [-o FILE] [--sections model,logits,profile,matrices,prefill,fused,probe]
 
 model:    pp512, tg128, and a verify step of 8 rows against a decode step (graph replay,
           GPU time, and a full runner.forward with host work), per weight format.
@@ -14,15 +14,15 @@ prefill:  pp512 per weight format, and the top kernels of a 512-row forward.
 fused:    each product of the fused decode path (RMSNorm, RoPE + KV write, SwiGLU, residual add folded
           into the tensor-core kernel) over a sweep of its blocks.
 probe:    a few fused products once each, to run under a profiler (ncu).
-Random weights in qwen2.5-coder-1.5b's shapes. Prints tables; writes JSON and text to --out.
+Random weights in qwen2.5-coder-1.5b's shapes (random_model.py). Prints a table per section; writes JSON
+(after every section) to -o, default kernel_bench.json in the cache's benchmarks folder (bench_output.py),
+and the profile section's per-kernel tables beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -31,125 +31,18 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from bench_output import output_path, print_table, write_json
+from random_model import CFG, DEV, graph_at, graph_us, make_runner, replay_us, step_gpu_us, step_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specserve.bench import bench_decode, bench_prefill, copy_bandwidth
+from specserve.engine.local_runner import LocalRunner
+from specserve.kernels import linear_cuda, linear_triton
+from specserve.kernels.activation import silu_mul
+from specserve.kernels.linear import QuantWeight
+from specserve.kernels.rope import RopeWrite, rope_cos_sin
+from specserve.model.batch import Batch
 
-from specserve.bench import bench_decode, bench_prefill, copy_bandwidth  # noqa: E402
-from specserve.engine.batch import Batch  # noqa: E402
-from specserve.engine.runner import LocalRunner  # noqa: E402
-from specserve.kernels import linear_cuda, linear_triton  # noqa: E402
-from specserve.kernels.activation import silu_mul  # noqa: E402
-from specserve.kernels.linear import QuantWeight  # noqa: E402
-from specserve.kernels.rope import rope_cos_sin  # noqa: E402
-from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
-from specserve.model.weights import ModelWeights  # noqa: E402
-
-MODEL = "qwen2.5-coder-1.5b"
-CFG = SHAPES[MODEL]
-DEV = torch.device("cuda")
 RESULTS: dict[str, object] = {}
-
-
-def graph_us(fn: Callable[[], object], calls: int, reps: int = 30) -> float:
-    """Median GPU microseconds per fn() call, from replays of a graph of `calls` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return replay_us(g, reps) / calls
-
-
-def replay_us(g: torch.cuda.CUDAGraph, reps: int = 30) -> float:
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
-    """The captured graph for `rows` rows, its inputs set to rows at positions base.. of sequence 0."""
-    step = runner.graphs.graphs[(rows, False)]
-    host = step.inputs.write()  # pinned: the graph's first node uploads them
-    host[0] = [7 * i + 3 for i in range(rows)]
-    host[1] = range(base, base + rows)
-    host[2] = 0
-    return step.graph
-
-
-def quantize_groups(w: torch.Tensor, bits: int, group: int) -> QuantWeight:
-    """Min-max quantization per group to `bits`-bit integers (as Q4_1 does), for random weights laid
-    out like a GGUF file's (Q6_K's 6-bit integers are stored in 8-bit fields)."""
-    n, k = w.shape
-    blocks = w.float().view(n, k // group, group)
-    lo, hi = blocks.amin(-1), blocks.amax(-1)
-    scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-8)
-    u = ((blocks - lo[..., None]) / scale[..., None]).round().view(n, k).to(torch.uint8)
-    return QuantWeight.from_ints(u, scale, -lo, group)
-
-
-def gguf_like(weights: ModelWeights) -> ModelWeights:
-    """Matrices quantized as qwen2.5-coder-1.5b's Q4_K_M file holds them: 4 bits in groups of 32,
-    8 bits in groups of 16 for the output, and for wqkv / down in every other layer (Q6_K there)."""
-    for i, layer in enumerate(weights.layers):
-        wide = (6, 16) if i % 2 else (4, 32)
-        layer.wqkv = quantize_groups(layer.wqkv, *wide)
-        layer.w_down = quantize_groups(layer.w_down, *wide)
-        layer.wo = quantize_groups(layer.wo, 4, 32)
-        layer.w_gate_up = quantize_groups(layer.w_gate_up, 4, 32)
-    weights.output = quantize_groups(weights.output, 6, 16)
-    return weights
-
-
-def make_runner(fmt: str, n_ctx: int = 1024) -> LocalRunner:
-    """Random weights: "float" (bf16), "q8", or "gguf_like" (the real file's quantization layout)."""
-    weights = random_weights(CFG, torch.bfloat16, DEV)
-    if fmt == "gguf_like":
-        return LocalRunner.from_weights(CFG, gguf_like(weights), n_ctx=n_ctx)
-    return LocalRunner.from_weights(CFG, weights, n_ctx=n_ctx, weight_format=fmt)
-
-
-def step_gpu_us(runner: LocalRunner, rows: tuple[int, ...] = (1, 2, 4, 8, 9, 16), base: int = 600) -> dict[int, float]:
-    """GPU us per graph replay of a step of each row count after a `base`-token prompt (captured graphs)."""
-    runner.kv_truncate(0, 0)
-    b = Batch()
-    b.add_sequence(list(range(base)), 0, 0, "last")
-    runner.forward(b)
-    return {r: replay_us(graph_at(runner, r, base)) for r in rows}
-
-
-def gguf_model_step_us(rows: tuple[int, ...] = (1, 2, 4, 8, 9, 16)) -> dict[int, float]:
-    """GPU us per graph replay of the model (random weights in the Q4_K_M layout, tensor-core kernel) per row count."""
-    os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
-    runner = make_runner("gguf_like")
-    runner.warmup(17, prompt_rows=0)
-    return {r: round(us, 1) for r, us in step_gpu_us(runner, rows).items()}
-
-
-def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -> float:
-    """Median wall ms of runner.forward for n_rows new rows at context `base` (host work included)."""
-    times = []
-    for _ in range(reps):
-        runner.kv_truncate(0, base)
-        batch = Batch()
-        batch.add_sequence([(7 * i + 3) % CFG.vocab_size for i in range(n_rows)], base, 0, "all")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        logits = runner.forward(batch)
-        logits.argmax(-1).tolist()  # the sampler's sync
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def section_model() -> None:
@@ -174,10 +67,12 @@ def section_model() -> None:
              "verify8_over_decode_gpu": round(gpu[8] / gpu[1], 3), "wall_ms_1": round(wall1, 3),
              "wall_ms_8": round(wall8, 3), "verify8_over_decode_wall": round(wall8 / wall1, 3)}
         rows.append(r)
-        print(json.dumps(r), flush=True)
         del runner
         torch.cuda.empty_cache()
     RESULTS["model"] = rows
+    print_table([{**r, **{f"us {n}": us for n, us in r["gpu_us"].items()}} for r in rows],
+                ["format", "quant_kernel", "pdl", "pp512", "tg128", *(f"us {n}" for n in rows[0]["gpu_us"]),
+                 "verify8_over_decode_gpu", "verify8_over_decode_wall"])
 
 
 def greedy_logits(runner: LocalRunner, forced: list[int] | None, n: int = 8) -> tuple[list[torch.Tensor], list[int]]:
@@ -224,7 +119,8 @@ def section_logits() -> None:
     agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(kept["gguf_like"][0], kept["float"][0], strict=True))
     res["gguf_like_vs_float"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}",
                            "greedy_tokens_same": kept["gguf_like"][1] == kept["float"][1]}
-    print(json.dumps(res), flush=True)
+    print_table([{"comparison": name, **v} for name, v in res.items()],
+                ["comparison", "max_rel_err", "argmax_agree", "greedy_tokens_same"])
     RESULTS["logits"] = res
 
 
@@ -248,7 +144,9 @@ def section_prefill() -> None:
         top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
         res[fmt] = {"pp512": round(pp), "top": [(e.key[:60], round(e.device_time_total), e.count) for e in top],
                     "top_self_cpu_us": [(e.key[:60], round(e.self_cpu_time_total), e.count) for e in top_cpu]}
-        print(json.dumps(res[fmt]), flush=True)
+        print(f"{fmt}: pp512 {pp:.0f} tok/s; GPU us of the top kernels of a 512-row forward:", flush=True)
+        for name, us, count in res[fmt]["top"]:
+            print(f"   {us:8d} us  x{count:<4d} {name}", flush=True)
         del runner
         torch.cuda.empty_cache()
     RESULTS["prefill"] = res
@@ -396,12 +294,14 @@ def section_matrices() -> None:
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
                        for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
-            r = bench_matrix(name, n, k, silu, m, qs, fl)
-            rows_out.append(r)
-            print(json.dumps(r), flush=True)
+            rows_out.append(bench_matrix(name, n, k, silu, m, qs, fl))
         del qs, fl
         torch.cuda.empty_cache()
     RESULTS["matrices"] = rows_out
+    timings = ("cublas_bf16", "triton_bf16", "triton", "cuda", "mma", "best_gemv_mma")
+    print_table([{**r, **{t: r[t].get("us") for t in timings if isinstance(r.get(t), dict)},
+                  "best blocks": r.get("best_gemv_mma", {}).get("blocks")} for r in rows_out],
+                ["matrix", "rows", "bits", "group", "MB", *timings, "best blocks"])
 
 
 # The fused path's products (decode / verify over packed weights): what each folds in.
@@ -421,7 +321,7 @@ def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, i
         cos, sin = rope_cos_sin(CFG.head_dim, CFG.rope_base, 1024, device=DEV)
         caches = torch.zeros(2, 2, CFG.n_kv_heads, 1024, CFG.head_dim, device=DEV, dtype=torch.bfloat16)
         pos = torch.arange(600, 600 + m, device=DEV)
-        rope = linear_cuda.RopeWrite(cos, sin, pos, torch.zeros_like(pos), caches[0], caches[1], CFG.n_heads,
+        rope = RopeWrite(cos, sin, pos, torch.zeros_like(pos), caches[0], caches[1], CFG.n_heads,
                                      CFG.n_kv_heads, CFG.rope_style)
     n_out = qs.items[0].shape[0]
     residual = torch.zeros(m, n_out, device=DEV, dtype=torch.bfloat16) if what == "add" else None
@@ -458,10 +358,20 @@ def section_fused(rows: tuple[int, ...] = (1, 2, 8), sweep: bool = True) -> None
             with mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):  # each launch after the last one ends
                 r["default_no_pdl"] = timed(call, 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
             rows_out.append(r)
-            print(json.dumps(r), flush=True)
         del qs
         torch.cuda.empty_cache()
     RESULTS["fused"] = rows_out
+    print_table([{**r, **best_swept(r)} for r in rows_out],
+                ["matrix", "fused", "rows", "default", "default_minb1", "default_no_pdl", "best swept", "best us"])
+
+
+def best_swept(row: dict[str, object]) -> dict[str, object]:
+    """The fastest of a fused row's swept block shapes (labelled t<TILES>k<KSPLIT>d<D>)."""
+    swept = {label: us for label, us in row.items() if label.startswith("t") and isinstance(us, float)}
+    if not swept:
+        return {}
+    label = min(swept, key=lambda k: swept[k])
+    return {"best swept": label, "best us": swept[label]}
 
 
 PROBE = ("wo", "gate_up", "down_q4k")
@@ -481,13 +391,14 @@ def section_probe() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("-o", "--output", default=None, help="JSON file (default: kernel_bench.json in the cache's "
+                    "benchmarks folder); the profile section's tables go beside it")
     ap.add_argument("--sections", default="model,logits,profile,matrices")
     ap.add_argument("--fused-rows", default="1,2,8", help="row counts of the fused section")
     ap.add_argument("--no-sweep", action="store_true", help="fused section: default blocks only")
     args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = output_path(args.output, "kernel_bench.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     RESULTS["gpu"] = torch.cuda.get_device_name(DEV)
     RESULTS["copy_bandwidth_TBps"] = round(copy_bandwidth(DEV) / 1e12, 3)
     print("copy bandwidth TB/s", RESULTS["copy_bandwidth_TBps"], flush=True)
@@ -495,7 +406,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             if sec == "profile":
-                section_profile(out_dir)
+                section_profile(out.parent)
             else:
                 {"model": section_model, "logits": section_logits, "matrices": section_matrices,
                  "prefill": section_prefill, "probe": section_probe,
@@ -505,7 +416,7 @@ def main() -> None:
             traceback.print_exc()
             RESULTS[f"{sec}_error"] = traceback.format_exc()[-2000:]
         print(f"[{sec}: {time.perf_counter() - t0:.0f} s]", flush=True)
-        (out_dir / "kernel_bench.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+        write_json(out, RESULTS)
 
 
 if __name__ == "__main__":
