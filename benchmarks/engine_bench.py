@@ -2,7 +2,8 @@
 
     python benchmarks/engine_bench.py -m smollm2-135m [--device cpu] [--pp 512] [--tg 128]
 
-Prints a table and writes JSON (default benchmarks/results/engine_<model>_<device>.json).
+Prints a table and writes JSON (-o, default engine_<model>_<device>[_<format>].json in the cache's
+benchmarks folder: bench_output.py).
 On CUDA it also measures device copy bandwidth and reports decode speed as a fraction of
 the roofline = bandwidth / weight bytes read per token.
 """
@@ -10,20 +11,16 @@ the roofline = bandwidth / weight bytes read per token.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
-from pathlib import Path
 
 import torch
+from bench_output import output_path, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specserve import catalog  # noqa: E402
-from specserve.bench import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth  # noqa: E402
-from specserve.engine.runner import LocalRunner, default_device, default_dtype  # noqa: E402
-from specserve.model.random_init import SHAPES, random_weights  # noqa: E402
-from specserve.model.weights import WEIGHT_FORMATS, resolve_weight_format  # noqa: E402
+from specserve import catalog
+from specserve.bench import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth
+from specserve.engine.local_runner import LocalRunner, default_device, default_dtype
+from specserve.model.random_init import SHAPES, random_weights
+from specserve.model.weights import WEIGHT_FORMATS, resolve_weight_format
 
 
 def main() -> None:
@@ -73,10 +70,7 @@ def main() -> None:
     for k, v in result.items():
         print(f"{k:<{width}}  {v}")
     suffix = "" if args.weight_format == "auto" else f"_{args.weight_format}"
-    out = Path(args.output or f"benchmarks/results/engine_{args.model}_{dev.type}{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(output_path(args.output, f"engine_{args.model}_{dev.type}{suffix}.json"), result)
 
 
 if __name__ == "__main__":

@@ -5,28 +5,24 @@ against the float weights, on the workload prompts.
 
 The float model greedily continues each prompt for n tokens; each other format then scores the
 same prompt + continuation in one forward, and every position's argmax and logits are compared.
-Prints a table; writes JSON to benchmarks/results/format_accuracy_<model>.json.
+Prints a table; writes JSON (-o, default format_accuracy_<model>.json in the cache's benchmarks folder:
+bench_output.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
+from bench_output import output_path, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specserve import catalog  # noqa: E402
-from specserve.engine.batch import Batch  # noqa: E402
-from specserve.engine.generate import generate  # noqa: E402
-from specserve.engine.runner import LocalRunner  # noqa: E402
-from specserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
-from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
-from specserve.gguf.tokenizer import Tokenizer  # noqa: E402
-from specserve.workloads import load_workloads  # noqa: E402
+from specserve import catalog
+from specserve.engine.generate import generate
+from specserve.engine.local_runner import LocalRunner
+from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.batch import Batch
+from specserve.workloads import load_workloads, workload_prompts
 
 
 def scored_logits(runner: LocalRunner, tokens: list[int]) -> torch.Tensor:
@@ -49,8 +45,7 @@ def main() -> None:
     ref = LocalRunner(path, n_ctx=2048, device=args.device, progress=False, weight_format="float", cuda_graphs=False)
     tok = Tokenizer.from_gguf(ref.gguf)
     sequences, n_prompt = [], []
-    for msgs in (m for cat in load_workloads().values() for m in cat[: args.prompts]):
-        prompt = tok.encode(apply_chat_template(tok, msgs), add_special=False)
+    for prompt in (p for category in load_workloads() for p in workload_prompts(tok, category)[: args.prompts]):
         out = list(generate(ref, prompt, args.n, Sampler(SamplingParams(temperature=0)), is_eog=tok.is_eog))
         sequences.append(prompt + out)
         n_prompt.append(len(prompt))
@@ -73,9 +68,7 @@ def main() -> None:
                        "max_rel_err": round(max(errs), 5), "bytes": runner.weights.n_bytes()}
         print(f"{fmt:<8} {agree:>6}/{total:<5} {max(errs):9.5f} {cont_agree:>10}/{cont_total}")
         del runner
-    out = Path(args.output or f"benchmarks/results/format_accuracy_{args.model}.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(output_path(args.output, f"format_accuracy_{args.model}.json"), result)
 
 
 if __name__ == "__main__":

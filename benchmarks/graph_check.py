@@ -6,35 +6,31 @@ For the first workload prompt of each category (chat-templated), generates greed
 three set-ups on the GPU and reports whether the token sequences are identical; where they
 diverge, the logit margin between the top two tokens of the reference at that step
 (a near-tie explains a bf16 rounding divergence).
-Also prints decode tokens/s of each set-up. Writes JSON to benchmarks/results/.
+Also prints decode tokens/s of each set-up. Writes JSON (-o, default graph_check_<model>.json in the
+cache's benchmarks folder: bench_output.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
+from bench_output import output_path, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specserve import catalog  # noqa: E402
-from specserve.engine.batch import Batch  # noqa: E402
-from specserve.engine.generate import prefill  # noqa: E402
-from specserve.engine.runner import LocalRunner  # noqa: E402
-from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
-from specserve.gguf.tokenizer import Tokenizer  # noqa: E402
-from specserve.workloads import load_workloads  # noqa: E402
+from specserve import catalog
+from specserve.engine.generate import prefill
+from specserve.engine.local_runner import LocalRunner
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.batch import Batch
+from specserve.workloads import load_workloads, workload_prompts
 
 
-def workload_prompts(runner: LocalRunner) -> list[list[int]]:
+def first_prompts(runner: LocalRunner) -> list[list[int]]:
     """The first prompt of each workload category, chat-templated and tokenized for this model."""
     tok = Tokenizer.from_gguf(runner.gguf)
-    return [tok.encode(apply_chat_template(tok, msgs[0]), add_special=False) for msgs in load_workloads().values()]
+    return [workload_prompts(tok, category)[0] for category in load_workloads()]
 
 
 def greedy_with_logits(runner: LocalRunner, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor], float]:
@@ -55,16 +51,17 @@ def greedy_with_logits(runner: LocalRunner, prompt: list[int], n: int) -> tuple[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
-    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-n", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     base = LocalRunner(catalog.resolve(args.model), n_ctx=1024, device="cuda", progress=False)
     eager = LocalRunner.from_weights(base.config, base.weights, n_ctx=1024, cuda_graphs=False)
     # the torch references or the Triton kernels are chosen per run by SPECSERVE_NO_TRITON below
     setups = {"torch-eager": eager, "triton-eager": eager, "triton-graphs": base}
     report: dict[str, object] = {"model": args.model, "n": args.n, "prompts": []}
-    for prompt in workload_prompts(base):
+    for prompt in first_prompts(base):
         runs = {}
         for name, runner in setups.items():
             os.environ["SPECSERVE_NO_TRITON"] = "1" if name == "torch-eager" else "0"
@@ -83,9 +80,7 @@ def main() -> None:
             print(f"{name:<14} identical={same!s:<5} {tps:8.1f} tok/s {info.get('first_divergence', '')}"
                   f" {info.get('ref_top2_margin', '')}")
         report["prompts"].append(entry)  # type: ignore[union-attr]
-    out = Path(f"benchmarks/results/graph_check_{args.model}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(output_path(args.output, f"graph_check_{args.model}.json"), report)
 
 
 if __name__ == "__main__":

@@ -5,24 +5,21 @@
 For each category of the workload file and each type (none, the n-gram types, draft):
 greedy generation of every prompt of the category; reports tokens generated per target
 forward pass, draft acceptance rate, decode tokens/s, speedup over `none`, and whether
-the text is identical to `none`. Prints a table and writes JSON.
+the text is identical to `none`. Prints a table and writes JSON (-o, default
+spec_<model>_<device>[_<format>].json in the cache's benchmarks folder: bench_output.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_output import output_path, write_json
 
-from specserve.bench import greedy_decode_rate  # noqa: E402
-from specserve.gguf.chat_template import apply_chat_template  # noqa: E402
-from specserve.session import GenerationSession  # noqa: E402
-from specserve.speculative.base import SpecParams  # noqa: E402
-from specserve.speculative.factory import build_chain  # noqa: E402
-from specserve.workloads import load_workloads  # noqa: E402
+from specserve.bench import greedy_decode_rate
+from specserve.session import GenerationSession
+from specserve.speculative.base import SpecParams
+from specserve.speculative.factory import build_chain
+from specserve.workloads import load_workloads, workload_prompts
 
 TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix", "draft"]
 
@@ -70,9 +67,8 @@ def main() -> None:
     base = SpecParams(n_max=args.draft_max, ngram_size_n=args.spec_ngram_size_n,
                       ngram_size_m=args.spec_ngram_size_m)
     results = []
-    for category, conversations in load_workloads(args.prompts).items():
-        prompts = [session.tokenizer.encode(apply_chat_template(session.tokenizer, msgs), add_special=False)
-                   for msgs in conversations]
+    for category in load_workloads(args.prompts):
+        prompts = workload_prompts(session.tokenizer, category, args.prompts)
         rows = {t: run_type(session, prompts, t, base, args.n_predict) for t in types}
         none = rows["none"]
         for row in rows.values():
@@ -89,16 +85,14 @@ def main() -> None:
               f" {r['speedup']:>7}x {r['identical_to_none']}")
     device = str(session.runner.device)
     fmt = "" if session.runner.weight_format == "float" else f"_{session.runner.weight_format}"
-    out = Path(args.output or f"benchmarks/results/spec_{args.model}_{session.runner.device.type}{fmt}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = output_path(args.output, f"spec_{args.model}_{session.runner.device.type}{fmt}.json")
     for r in results:
         r.pop("outputs")
     meta = {"model": args.model, "draft": args.model_draft, "n_predict": args.n_predict, "device": device,
             "weight_format": session.runner.weight_format,
             "draft_max": args.draft_max, "ngram_size_n": args.spec_ngram_size_n,
             "ngram_size_m": args.spec_ngram_size_m}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(out, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":
