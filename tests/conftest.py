@@ -21,7 +21,7 @@ def smollm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_runner(smollm_path: Path):
-    from specserve.engine.runner import LocalRunner
+    from specserve.engine.local_runner import LocalRunner
 
     return LocalRunner(smollm_path, n_seqs=4, n_ctx=1024, device="cpu", progress=False)
 

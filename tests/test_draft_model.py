@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from specserve.errors import SpecserveError
-from specserve.speculative.draft_model import DraftModelSpeculator, check_vocab_compatible
+from specserve.gguf.vocab_check import check_vocab_compatible
+from specserve.speculative.draft_model import DraftModelSpeculator
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_small_size_difference_and_early_tokens_are_tolerated(metadata) -> None:
 
 
 def test_draft_cache_is_reused(smollm_path) -> None:
-    from specserve.engine.runner import LocalRunner
+    from specserve.engine.local_runner import LocalRunner
 
     runner = LocalRunner(smollm_path, n_ctx=256, device="cpu", progress=False)
     calls = []

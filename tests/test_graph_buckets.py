@@ -37,8 +37,8 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
     """Prompt chunks replayed from the one-row graphs give the eager pass's logits and KV entries."""
     import dataclasses
 
-    from specserve.engine.batch import Batch
-    from specserve.engine.runner import LocalRunner
+    from specserve.model.batch import Batch
+    from specserve.engine.local_runner import LocalRunner
     from specserve.model.random_init import SHAPES, random_weights
 
     cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
@@ -69,9 +69,9 @@ def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
     logits' argmax) gives the argmax of the eager pass's logits, and the same KV entries."""
     import dataclasses
 
-    from specserve.engine.batch import Batch
+    from specserve.model.batch import Batch
     from specserve.engine.cuda_graphs import ARGMAX_ROWS
-    from specserve.engine.runner import LocalRunner
+    from specserve.engine.local_runner import LocalRunner
     from specserve.model.random_init import SHAPES, random_weights
 
     cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,

@@ -184,7 +184,7 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
                    out_fp32: bool) -> None:
     """The CUDA C kernels vs the torch reference for 1..16 rows, and each row of a multi-row call
     bit for bit equal to a one-row call (verify steps compute what decode steps compute)."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels import quant_cuda
     from specserve.kernels.linear import QuantWeight, linear_ref, quantize_q8
 
     w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
@@ -197,10 +197,10 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
     b = torch.randn(n_out, device=DEVICE).to(DTYPE) if bias else None
     out_dtype = torch.float32 if out_fp32 else DTYPE
     x = torch.randn(16, 2 * k if silu_input else k, device=DEVICE).to(DTYPE) * 2
-    assert linear_cuda.usable(x, qw, b, out_dtype) == ("gemv_q" if fmt == "k4g16" else "gemv_mma")
+    assert quant_cuda.usable(x, qw, b, out_dtype) == ("gemv_q" if fmt == "k4g16" else "gemv_mma")
 
     def run(rows: torch.Tensor) -> torch.Tensor:
-        return linear_cuda.gemv(rows, qw, b, silu_input, out_dtype, blocks, kernel=kernel)
+        return quant_cuda.gemv(rows, qw, b, silu_input, out_dtype, blocks, kernel=kernel)
 
     singles = [run(x[i:i + 1]) for i in range(16)]
     for rows in (1, 3, 8, 9, 16):
@@ -229,7 +229,7 @@ def test_quantized_verify_rows_compute_what_decode_computes() -> None:
 def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
     """SwiGLU in the tensor-core gate_up kernel's output: silu(gate) * up to bf16 rounding, and for down
     the same activations its input stage computed before, bit for bit (1..16 rows, and sliced above)."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels import quant_cuda
     from specserve.kernels.activation import silu_mul_ref
     from specserve.kernels.linear import feed_forward, linear
 
@@ -238,8 +238,8 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
     w_down = random_quant(48, n_ff, 32, True) if n_ff % 32 == 0 else None  # 264: no whole groups of 16 or 32
     x = torch.randn(20, k, device=DEVICE).to(DTYPE)
     for rows in (1, 3, 9, 16, 20):
-        act = linear_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma", swiglu_output=True)
-        gate_up = linear_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma")
+        act = quant_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma", swiglu_output=True)
+        gate_up = quant_cuda.gemv(x[:rows], w_gate_up, None, False, DTYPE, kernel="gemv_mma")
         assert act.shape == (rows, n_ff)
         assert rel_err(act, silu_mul_ref(gate_up.float())) < TOL
         if w_down is not None:
@@ -252,9 +252,9 @@ def test_bf16x2_products_round_like_fp32_products() -> None:
     adding -0); that must give the fp32 product rounded to bf16 (torch's bf16 multiply, and what the staging
     did value by value before): bit patterns drawn over the whole range (subnormals, products that overflow
     or underflow), signed zeros; NaN only as NaN."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels.cuda import build
 
-    source = linear_cuda.COMMON + r"""
+    source = build.common_source() + r"""
 extern "C" __global__ void mul_pairs(const unsigned* a, const unsigned* b, unsigned* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = mul_bf16x2(a[i], b[i]);
@@ -306,7 +306,8 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest
     elsewhere) adds to the residual stream what the reference computes (to fp32 rounding: the shares are
     summed in another order than one block sums them), and each row of a multi-row call bit for bit what a
     one-row call adds."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels import quant_cuda
+    from specserve.kernels.cuda import build
     from specserve.kernels.linear import linear_ref
 
     k, n = 8960, 96
@@ -314,18 +315,18 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest
     x = torch.randn(16, k, device=DEVICE).to(DTYPE)
     residual = torch.randn(16, n, device=DEVICE).to(DTYPE)
     blocks = {"TILES": 1, "KSPLIT": 4, "D": 2, "KC": kc}
-    built = linear_cuda._kernel
+    built = build.kernel
     launched: set[int] = set()  # the KC of every variant launched
 
     def spy(key: tuple, sibling: object = None) -> object:
         launched.add(key[-1])
         return built(key, sibling)
 
-    monkeypatch.setattr(linear_cuda, "_kernel", spy)
+    monkeypatch.setattr(build, "kernel", spy)
 
     def add(lo: int, hi: int) -> torch.Tensor:
         stream = residual[lo:hi].clone()
-        linear_cuda.gemv(x[lo:hi], w, None, False, DTYPE, blocks, kernel="gemv_mma", add_to=stream)
+        quant_cuda.gemv(x[lo:hi], w, None, False, DTYPE, blocks, kernel="gemv_mma", add_to=stream)
         return stream
 
     singles = torch.cat([add(i, i + 1) for i in range(16)])
@@ -383,11 +384,11 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
 def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain of products each reading the one before (and a residual stream written in place), with
     programmatic dependent launch (kernels start before their predecessor ends) and without."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels.cuda import build
     from specserve.kernels.linear import feed_forward, linear_fused
 
     monkeypatch.setenv("SPECSERVE_PDL", "1")
-    if not linear_cuda.pdl_enabled(torch.cuda.current_device()):
+    if not build.pdl_enabled(torch.cuda.current_device()):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     k = 1536
     w_in, w_out = random_quant(k, k, 32, True), random_quant(k, k, 16, False)

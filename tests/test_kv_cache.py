@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.batch import Batch
+from specserve.model.batch import Batch
 from specserve.engine.generate import prefill
 from specserve.errors import SpecserveError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.engine.generate import GenerationStats, generate
-from specserve.engine.runner import LocalRunner
+from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.tokenizer import Tokenizer
 from tests.conftest import load_hf_model, model_path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.engine.runner import LocalRunner
+from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Failure, Result, Task, TaskHandle

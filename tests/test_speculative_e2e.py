@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine.generate import GenerationStats, generate
-from specserve.engine.runner import LocalRunner
+from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer

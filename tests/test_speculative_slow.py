@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine.generate import GenerationStats, generate
-from specserve.engine.runner import LocalRunner
+from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
-from specserve.speculative.draft_model import check_vocab_compatible
+from specserve.gguf.vocab_check import check_vocab_compatible
 from specserve.speculative.factory import build_chain
-from specserve.workloads import load_workloads
+from specserve.cli.workloads import load_workloads
 from tests.conftest import model_path
 
 pytestmark = pytest.mark.slow

@@ -1,19 +1,23 @@
-"""CUDA graphs for small forward passes (decode and verify steps).
+"""CUDA graphs for forward passes of up to 512 rows.
 
-At batch sizes of a few tokens the GPU finishes each kernel faster than Python can
-launch the next, so the whole forward is captured once per row-count bucket and
-replayed. The graph's inputs are [3, rows] long values (tokens, positions, sequence ids)
-that the host writes into a pinned buffer of the graph's own and its first node copies to
-the device; rows past the batch are padding that writes only to a scratch sequence.
-Steps of up to 256 rows return logits for every row; the caller picks the rows it wants.
-Batches of more than 16 rows that want one row's logits or none (prompt chunks) have graphs
-of their own, up to 512 rows, that compute the logits of that one row (its index is an input):
-an eager 512-row forward spends more time launching kernels (~0.1 ms of host time each over
-packed weights) than running them. Step graphs of up to ARGMAX_ROWS rows also take every row's argmax,
-and their last node copies it into pinned memory, which greedy verification reads instead of the
-logits (`run_argmax`). Both copies are nodes of the graph: as separate calls they cost ~35 us of GPU idle
-between a verify step's result and the next launch (kernel_notes.md v11). The returned logits are the
-graph's own output buffer: valid until the next forward (graphs share a memory pool).
+At batch sizes of a few tokens the GPU finishes each kernel faster than Python can launch the
+next, so the whole forward is captured once per row-count bucket and replayed. A graph's inputs
+are [4, rows] long values — tokens, positions, sequence ids, and for each row the batch row of the
+step launched just before whose argmax is its token (-1: the token given) — that the host writes
+into a pinned buffer of the graph's own and its first node copies to the device; rows past the
+batch are padding that writes only to a scratch sequence. Feeding tokens from the previous step's
+argmax on the device lets the scheduler queue step N + 1 before it has read step N.
+
+Each bucket has two graphs, one per parity of the runner's launch count: the graph of parity p takes
+fed tokens from `ring[1 - p]` and writes its rows' argmax to `ring[p]` (a buffer outside the graphs'
+pool), and copies them into pinned memory of its own as its last node. So the step in flight and the
+one queued behind it never share an input buffer, an output buffer or an argmax row, and the host never
+waits for a step to finish before queuing the next.
+
+Steps of up to 256 rows return logits for every row; the caller picks the rows it wants. Batches of
+more than 16 rows that want one row's logits or none (prompt chunks) have graphs of their own, up to
+512 rows, that compute the logits of that one row (its index is a fifth input row). The returned
+logits are the graph's own output buffer: valid until the graph of the same parity runs again.
 """
 
 from __future__ import annotations
@@ -24,16 +28,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from specserve.engine import cuda_driver
-from specserve.engine.batch import Batch
-from specserve.engine.host_copy import PendingTokens, PinnedInputs
+from specserve.engine.host_copy import LaunchedStep, PinnedInputs
+from specserve.kernels.cuda import driver as cuda_driver
+from specserve.model.batch import Batch
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 STEP_ROWS = 256  # the largest step with logits for every row (its [rows, vocab] fp32 logits are kept)
-PROMPT_ROWS = 512  # the largest prompt chunk with a graph (generate()'s default chunk)
+PROMPT_ROWS = 512  # the largest prompt chunk with a graph (the default chunk)
 ONE_ROW_FROM = 16  # batches of more rows wanting one row's logits or none take the one-row graphs
-ARGMAX_ROWS = 32  # step graphs of up to this many rows also take each row's argmax (a few us on the GPU)
+RING_ROWS = 16384  # argmax rows a step can leave for the next one to take its tokens from
 
 
 def bucket_for(n_rows: int, max_rows: int) -> int | None:
@@ -50,29 +54,37 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
     return [b for b in BUCKETS if top is not None and b <= top]
 
 
+def feed_tokens(tokens: torch.Tensor, fed: torch.Tensor, previous_argmax: torch.Tensor) -> torch.Tensor:
+    """tokens, with rows whose fed index is >= 0 taking the previous step's argmax at that row."""
+    taken = previous_argmax.gather(0, fed.clamp(min=0))
+    return torch.where(fed >= 0, taken, tokens)
+
+
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: PinnedInputs  # [3, rows]: tokens, positions, sequences (one-row-logits graphs: a 4th, its index);
+    inputs: PinnedInputs  # [4, rows] (one-logit-row graphs: [5, rows], the row's index at [4, 0]);
     # its `done` event also says when the argmax is there
     logits: torch.Tensor
-    argmax: np.ndarray | None  # pinned [rows]: each row's argmax, copied back by the last node (graphs of up
-    # to ARGMAX_ROWS rows wanting every row)
+    argmax: np.ndarray  # pinned: each logit row's argmax, copied back by the last node
 
 
 class GraphCache:
-    """Captures `forward(tokens, positions, seq_ids, logit_rows) -> logits` per bucket, lazily."""
+    """Captures `forward(tokens, positions, seq_ids, logit_rows) -> logits` per bucket and parity, lazily."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
                                          torch.Tensor],
-                 device: torch.device, pad_seq: int, max_rows: int = STEP_ROWS, max_prompt_rows: int = PROMPT_ROWS):
-        """forward: fp32 logits of the rows in logit_rows (None: of every row)."""
+                 device: torch.device, pad_seq: int, ring: torch.Tensor, max_rows: int = STEP_ROWS,
+                 max_prompt_rows: int = PROMPT_ROWS):
+        """forward: fp32 logits of the rows in logit_rows (None: of every row). ring: [2, RING_ROWS] long, the
+        argmax rows of the last two steps (shared with the runner's eager path)."""
         self.forward = forward
         self.device = device
         self.pad_seq = pad_seq
+        self.ring = ring
         self.max_rows = max_rows
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, bool], StepGraph] = {}  # (rows, one logit row) -> its graph
+        self.graphs: dict[tuple[int, bool, int], StepGraph] = {}  # (rows, one logit row, parity) -> its graph
 
     @staticmethod
     def one_logit_row(n_rows: int, n_wanted: int) -> bool:
@@ -93,6 +105,7 @@ class GraphCache:
         inputs[0, start:] = 0
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
+        inputs[3, start:] = -1
 
     def capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
@@ -108,75 +121,65 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, key: tuple[int, bool]) -> StepGraph:
-        rows, one = key
-        initial = torch.zeros((4 if one else 3, rows), dtype=torch.long)
+    def _capture(self, key: tuple[int, bool, int]) -> StepGraph:
+        rows, one, parity = key
+        initial = torch.zeros((5 if one else 4, rows), dtype=torch.long)
         self._pad_rows(initial, 0)
         inputs = PinnedInputs(initial, self.device)
-        pick = inputs.on_device[3, :1] if one else None
-        host_argmax = torch.zeros(rows, dtype=torch.long, pin_memory=True) if not one and rows <= ARGMAX_ROWS else None
+        pick = inputs.on_device[4, :1] if one else None
+        host_argmax = torch.zeros(1 if one else rows, dtype=torch.long, pin_memory=True)
+        mine, previous = self.ring[parity], self.ring[1 - parity]
 
         def step() -> torch.Tensor:
             device_in = inputs.upload()
-            logits = self.forward(device_in[0], device_in[1], device_in[2], pick)
-            if host_argmax is not None:
-                argmax = logits.argmax(dim=-1)
-                cuda_driver.copy_async(host_argmax, argmax)
+            tokens = feed_tokens(device_in[0], device_in[3], previous)
+            logits = self.forward(tokens, device_in[1], device_in[2], pick)
+            argmax = logits.argmax(dim=-1)
+            if pick is not None:
+                mine.index_copy_(0, pick, argmax)
+            else:
+                mine[:rows].copy_(argmax)
+            cuda_driver.copy_async(host_argmax, argmax)
             return logits
 
         graph, logits = self.capture(step)
-        return StepGraph(graph, inputs, logits, host_argmax.numpy() if host_argmax is not None else None)
+        return StepGraph(graph, inputs, logits, host_argmax.numpy())
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
-        up to prompt_rows rows, so no capture lands inside a request or a timed run."""
+        up to prompt_rows rows, both parities, so no capture lands inside a request or a timed run."""
         keys = [(b, False) for b in buckets_up_to(n_rows, self.max_rows)]
         keys += [(b, True) for b in buckets_up_to(prompt_rows, self.max_prompt_rows) if b > ONE_ROW_FROM]
-        for key in keys:
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(key)
+        for rows, one in keys:
+            for parity in (0, 1):
+                if (rows, one, parity) not in self.graphs:
+                    self.graphs[rows, one, parity] = self._capture((rows, one, parity))
 
-    def run(self, batch: Batch) -> torch.Tensor | None:
-        """The logits of the batch's wanted rows, or None where no graph takes it."""
+    def launch(self, batch: Batch, fed: Sequence[int] | None, parity: int) -> LaunchedStep | None:
+        """Queue the batch (fed: see the module docstring), or None where no graph takes it."""
         n = len(batch)
         wanted = batch.logit_rows()
         key = self.graph_key(n, len(wanted))
         if key is None:
             return None
-        one = key[1]
-        static_out = self._replay(key, batch.tokens, batch.positions, batch.seq_ids,
-                                  (wanted[0] if wanted else 0) if one else None).logits
-        if one:
-            return static_out[: len(wanted)]
-        if len(wanted) == n:
-            return static_out[:n]
-        return static_out[torch.tensor(wanted, device=self.device)]
-
-    def run_argmax(self, tokens: list[int], position: int, seq: int) -> PendingTokens | None:
-        """Launch the evaluation of tokens at position.. of sequence seq: the argmax of each row's logits,
-        to read once the step is done (until the next step of as many rows), or None past ARGMAX_ROWS rows."""
-        n = len(tokens)
-        if n > ARGMAX_ROWS:
-            return None
-        key = self.graph_key(n, n)
-        assert key is not None and key[0] <= ARGMAX_ROWS
-        step = self._replay(key, tokens, range(position, position + n), [seq] * n, None)
-        assert step.argmax is not None  # graphs of up to ARGMAX_ROWS rows take it
-        return PendingTokens(step.argmax[:n], step.inputs.done)
-
-    def _replay(self, key: tuple[int, bool], tokens: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logit_row: int | None) -> StepGraph:
-        """Replay the graph `key` (capturing it first if needed) on these rows."""
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(key)
-        step = self.graphs[key]
-        n = len(tokens)
-        host = step.inputs.write()  # (at once on the step path: its last replay is done by now)
-        host[0, :n] = tokens
-        host[1, :n] = positions
-        host[2, :n] = seq_ids
+        rows, one = key
+        full = (rows, one, parity)
+        if full not in self.graphs:
+            self.graphs[full] = self._capture(full)
+        step = self.graphs[full]
+        host = step.inputs.write()  # at once on the step path: this graph's last replay was two steps ago
+        host[0, :n] = batch.tokens
+        host[1, :n] = batch.positions
+        host[2, :n] = batch.seq_ids
+        host[3, :n] = -1 if fed is None else fed
         self._pad_rows(host, n)
-        if logit_row is not None:
-            host[3, 0] = logit_row
+        if one:
+            host[4, 0] = wanted[0] if wanted else 0
         step.inputs.replay(step.graph)
-        return step
+        done = step.inputs.done
+        if one:
+            return LaunchedStep(step.logits[: len(wanted)], step.argmax, len(wanted), done)
+        if len(wanted) == n:
+            return LaunchedStep(step.logits[:n], step.argmax, n, done)
+        index = torch.tensor(wanted, device=self.device)
+        return LaunchedStep(step.logits[index], step.argmax, len(wanted), done, rows=wanted)

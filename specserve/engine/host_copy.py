@@ -1,18 +1,20 @@
-"""Small long tensors from the device to the host through pinned memory, on the path between one step's
-result and the next step's launch.
+"""Small long tensors between the host and the device through pinned memory, on the path between one
+step's result and the next step's launch.
 
-Reading a CUDA tensor with `.tolist()` waits for the whole device and copies through pageable
-memory; a copy into a pinned slot with an event waits for that copy only, and the host reads the
-slot through numpy (`HostCopies`). The other way, a step graph uploads its inputs from a pinned buffer
-of its own as its first node (`PinnedInputs`: cuda_graphs.py, LocalRunner.greedy_step).
+A step graph uploads its inputs from a pinned buffer of its own as its first node (`PinnedInputs`) and
+copies its rows' argmax into pinned memory as its last; the host reads that through numpy once the
+event recorded after the replay has fired (`LaunchedStep.tokens`), rather than `.tolist()` on a device
+tensor (which waits for the whole device and copies through pageable memory).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from specserve.engine import cuda_driver
+from specserve.kernels.cuda import driver as cuda_driver
 
 
 class PinnedInputs:
@@ -41,46 +43,33 @@ class PinnedInputs:
         self.done.record()
 
 
-class HostCopies:
-    """`slots` pinned rows of `width` long values; one copy in flight per slot."""
+class LaunchedStep:
+    """A forward pass queued on the device: the logits of the rows that wanted them, and each such row's
+    argmax (what greedy sampling reads), without waiting for anything else queued after it.
 
-    def __init__(self, device: torch.device, slots: int, width: int):
-        cuda = device.type == "cuda"
-        self._host = torch.zeros((slots, width), dtype=torch.long, pin_memory=cuda)
-        self._host_np = self._host.numpy()
-        self._events = [torch.cuda.Event() for _ in range(slots)] if cuda else []
+    argmax: a pinned numpy row the step's last node fills (then `done` says when), or a tensor (eager:
+    read back on demand). rows: which entries of argmax are the wanted rows, in order (None: the first n)."""
 
-    def start(self, slot: int, values: torch.Tensor) -> None:
-        """Copy values (long [n], n <= width) into the slot once the device has computed them."""
-        self._host[slot, : values.shape[0]].copy_(values, non_blocking=True)
-        if self._events:
-            self._events[slot].record()
-
-    def wait(self, slot: int) -> None:
-        """Wait for the slot's copy (and nothing queued after it)."""
-        if self._events:
-            self._events[slot].synchronize()
-
-    def read(self, slot: int, n: int) -> list[int]:
-        """The slot's first n values, once its copy has landed."""
-        self.wait(slot)
-        return self._host_np[slot, :n].tolist()
-
-
-class PendingTokens:
-    """Token ids a launched step computes; read() waits for them (that step only) and returns them.
-
-    From a step graph: a pinned row that the graph's last node fills and the event recorded after the
-    replay. Otherwise a tensor (the eager path: read() copies it, waiting for the device)."""
-
-    def __init__(self, values: np.ndarray | torch.Tensor, done: torch.cuda.Event | None = None):
-        self._values = values
+    def __init__(self, logits: torch.Tensor, argmax: np.ndarray | torch.Tensor, n: int,
+                 done: torch.cuda.Event | None = None, rows: Sequence[int] | None = None):
+        self._logits = logits
+        self._argmax = argmax
+        self._n = n
         self._done = done
+        self._rows = rows
 
     def wait(self) -> None:
         if self._done is not None:
             self._done.synchronize()
 
-    def read(self) -> list[int]:
+    def tokens(self) -> list[int]:
+        """Argmax of each wanted row's logits (waits for this step only)."""
         self.wait()
-        return self._values.tolist()
+        values = self._argmax
+        if self._rows is not None:
+            return [int(values[r]) for r in self._rows]
+        return values[: self._n].tolist()
+
+    def logits(self) -> torch.Tensor:
+        """fp32 logits [wanted rows, vocab]: a graph's buffer, valid until the runner's launch after next."""
+        return self._logits

@@ -1,260 +1,63 @@
-"""LocalRunner: a model plus its KV cache on one torch device, driven by Batches."""
+"""The Runner protocol: what the scheduler may call on the thing that runs the model.
+
+LocalRunner (local_runner.py) implements it on one torch device; a remote runner implements the same
+calls over a connection, so the scheduler cannot tell them apart.
+"""
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from specserve.engine.batch import Batch
-from specserve.engine.cuda_graphs import PROMPT_ROWS, GraphCache
-from specserve.engine.host_copy import PendingTokens, PinnedInputs
-from specserve.errors import SpecserveError
-from specserve.gguf.reader import GGUFFile
-from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.linear import MAX_GEMV_ROWS
-from specserve.model.config import ModelConfig
-from specserve.model.transformer import Transformer
-from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
-
-GreedyStep = Callable[[int, int, int | None], torch.Tensor]  # (seq, position, start token or None) -> token
+from specserve.model.batch import Batch
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+class Step(Protocol):
+    """A launched forward pass."""
+
+    def tokens(self) -> list[int]:
+        """The argmax of each row that wanted logits, in row order; waits for this step only."""
+        ...
+
+    def logits(self) -> torch.Tensor:
+        """fp32 logits [rows wanting logits, vocab]; valid until the runner's launch after next."""
+        ...
+
+    def wait(self) -> None: ...
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA (tensor cores, half the bytes), fp32 on CPU (exact reference match)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def freeze_gc() -> None:
-    """Move every object alive now (weights, captured graphs) out of the garbage collector's
-    view. A forward allocates many short-lived objects, and each collection would otherwise
-    walk all the long-lived ones too: with two models loaded that host time halved the
-    prefill rate on an H200 (pp512 24k vs 43k tok/s)."""
-    gc.collect()
-    gc.freeze()
-
-
-class LocalRunner:
-    """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each."""
-
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        n_seqs: int = 1,
-        n_ctx: int | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        progress: bool = True,
-        cuda_graphs: bool = True,
-        weight_format: str = "auto",
-    ):
-        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto" is "float": every matrix
-        in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
-        gguf = GGUFFile(model_path)
-        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
-        dev = torch.device(device) if device is not None else default_device()
-        dt = dtype or default_dtype(dev)
-        self.weight_format = resolve_weight_format(weight_format)
-        weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
-        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
-        self.gguf: GGUFFile | None = gguf
-
-    @classmethod
-    def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1,
-                     n_ctx: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
-        """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
-        quantizes their matrices in place."""
-        runner = cls.__new__(cls)
-        runner.weight_format = resolve_weight_format(weight_format)
-        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs)
-        runner.gguf = None
-        return runner
-
-    def _setup(self, config: ModelConfig, weights: ModelWeights, n_seqs: int, n_ctx: int | None,
-               cuda_graphs: bool) -> None:
-        self.config = config
-        self.weights = weights
-        self.device = weights.embed.device
-        self.dtype = weights.embed.dtype
-        self.n_ctx = int(n_ctx or min(config.context_length, 4096))
-        if self.n_ctx < 1 or n_seqs < 1:
-            raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
-        self.n_seqs = n_seqs
-        self.model = Transformer(config, weights, self.n_ctx)
-        cfg = config
-        use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
-                      and triton_enabled(weights.embed))
-        # With graphs, one extra sequence absorbs the writes of padding rows.
-        self.kv = torch.zeros(
-            (cfg.n_layers, 2, n_seqs + int(use_graphs), cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
-            dtype=self.dtype, device=self.device,
-        )
-        self.seq_len = [0] * n_seqs
-        # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
-        # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
-        # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
-        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
-                              else None)
-        self.graphs = GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs) if use_graphs else None
-        self._chain: GreedyStep | None = None
-        freeze_gc()
-
-    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
-        """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
-        prompt_rows (no-op without graphs)."""
-        if self.graphs is not None:
-            self.graphs.capture_up_to(max_rows, prompt_rows)
-            self.greedy_step()
-            freeze_gc()
+class Runner(Protocol):
+    n_seqs: int  # KV sequences (one per slot)
+    n_ctx: int  # positions per sequence
+    seq_len: list[int]  # KV entries kept per sequence
+    device: torch.device
 
     @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
+    def vocab_size(self) -> int: ...
 
-    def draft_limit(self, n_max: int) -> int:
-        """n_max drafts, fewer where a step of 1 + n_max rows would take a second pass."""
-        rows = self.max_step_rows
-        return n_max if rows is None else min(n_max, rows - 1)
-
-    def step_argmax(self, seq: int, tokens: list[int], position: int) -> PendingTokens:
-        """Launch the evaluation of tokens at positions position.. of sequence seq (their K/V enter the
-        cache): the argmax of each row's logits, read() once the step is done, before the next step of
-        as many rows. What greedy verification reads: step graphs take the argmax and copy it back
-        themselves (no logits leave them), and no Batch is built on the way."""
-        n = len(tokens)
-        if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or not 0 < n <= self.n_ctx - position:
-            raise SpecserveError(f"a step of {n} rows at position {position} of sequence {seq} is out of range")
-        out = None
-        if self.graphs is not None and 0 <= min(tokens) <= max(tokens) < self.config.vocab_size:
-            out = self.graphs.run_argmax(tokens, position, seq)
-        if out is None:  # no graph (or a bad token id: the checks of a Batch report it)
-            batch = Batch()
-            batch.add_sequence(tokens, position, seq, "all")
-            return PendingTokens(self.forward(batch).argmax(dim=-1))
-        self.seq_len[seq] = position + n
-        return out
+    def launch(self, batch: Batch, fed: Sequence[int] | None = None) -> Step:
+        """Queue a forward pass over the batch (its K/V enter the cache). fed[i] >= 0 makes row i's token the
+        argmax of row fed[i] of the step launched just before, on the device."""
+        ...
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
-        runs = batch.runs()
-        self._check(batch, runs)
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # no graph takes a batch of this shape
-            logits = self._forward_eager(batch, runs)
-        # Writing at position p makes p the sequence's end: later entries are stale.
-        for seq, _start, _end, kv_len in runs:
-            self.seq_len[seq] = kv_len
-        return logits
-
-    def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                           logit_rows: torch.Tensor | None) -> torch.Tensor:
-        """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
-        capture)."""
-        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv)
-
-    def greedy_step(self) -> GreedyStep:
-        """step(seq, position, start=None) for greedy decoding with the token fed back on the device
-        (GreedyChain). A step evaluates the token the step before picked, or `start` (the host's token,
-        which begins a chain), at `position` of sequence `seq` (the host knows both), takes the argmax of
-        its logits as the next step's token and returns it ([1], a buffer a later step overwrites). With
-        CUDA graphs a step is one replay, of one of two graphs captured at the first call: the second
-        uploads (start, position, seq) from pinned memory as its first node."""
-        if self._chain is None:
-            self._chain = self._greedy_step_graphs() if self.graphs is not None else self._greedy_step_eager()
-        step = self._chain
-
-        def checked_step(seq: int, position: int, start: int | None = None) -> torch.Tensor:
-            if not 0 <= seq < self.n_seqs or not 0 <= position <= self.seq_len[seq] or position >= self.n_ctx:
-                raise SpecserveError(f"greedy step at position {position} of sequence {seq} is out of range")
-            token = step(seq, position, start)
-            self.seq_len[seq] = position + 1
-            return token
-
-        return checked_step
-
-    def _greedy_step_eager(self) -> GreedyStep:
-        state = torch.zeros((3, 1), dtype=torch.long, device=self.device)  # token, position, sequence
-
-        def step(seq: int, position: int, start: int | None) -> torch.Tensor:
-            if start is not None:
-                state[:, 0] = torch.tensor((start, position, seq))
-            return self._greedy_forward(state, [(seq, 0, 1, position + 1)])
-
-        return step
-
-    def _greedy_step_graphs(self) -> GreedyStep:
-        assert self.graphs is not None
-        # token, position, sequence; the capture's warm-up runs write the scratch sequence
-        start_in = PinnedInputs(torch.tensor([[0], [0], [self.graphs.pad_seq]]), self.device)
-        state = start_in.on_device
-        fed, fed_token = self.graphs.capture(lambda: self._greedy_forward(state, []))
-        started, started_token = self.graphs.capture(lambda: self._greedy_forward(start_in.upload(), []))
-
-        def step(seq: int, position: int, start: int | None) -> torch.Tensor:
-            if start is None:
-                fed.replay()
-                return fed_token
-            start_in.write()[:, 0] = (start, position, seq)
-            start_in.replay(started)
-            return started_token
-
-        return step
-
-    def _greedy_forward(self, state: torch.Tensor, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = self.model.forward(state[0], state[1], state[2], None, runs, self.kv)
-            token = logits.argmax(dim=-1)
-            state[0].copy_(token)
-            state[1].add_(1)
-        return token
-
-    def _forward_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        dev = self.device
-        tokens = torch.tensor(batch.tokens, dtype=torch.long).to(dev, non_blocking=True)
-        positions = torch.tensor(batch.positions, dtype=torch.long).to(dev, non_blocking=True)
-        seq_ids = torch.tensor(batch.seq_ids, dtype=torch.long).to(dev, non_blocking=True)
-        rows = torch.tensor(batch.logit_rows(), dtype=torch.long).to(dev, non_blocking=True)
-        with torch.inference_mode():
-            return self.model.forward(tokens, positions, seq_ids, rows, runs, self.kv)
-
-    def _check(self, batch: Batch, runs: list[tuple[int, int, int, int]]) -> None:
-        if len(batch) == 0:
-            raise SpecserveError("empty batch")
-        seen: set[int] = set()
-        for seq, start, end, kv_len in runs:
-            if not 0 <= seq < self.n_seqs:
-                raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
-            if seq in seen:
-                raise SpecserveError(f"rows of sequence {seq} are not consecutive in the batch")
-            seen.add(seq)
-            pos = batch.positions[start:end]
-            if pos[0] > self.seq_len[seq] or pos != list(range(pos[0], pos[0] + len(pos))):
-                raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
-            if kv_len > self.n_ctx:
-                raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
-        if not 0 <= min(batch.tokens) <= max(batch.tokens) < self.config.vocab_size:  # (C loops: on the step path)
-            bad = next(t for t in batch.tokens if not 0 <= t < self.config.vocab_size)
-            raise SpecserveError(f"token id {bad} out of range (vocabulary size {self.config.vocab_size})")
+        """launch(batch).logits()."""
+        ...
 
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
-        if not 0 <= n_keep <= self.seq_len[seq]:
-            raise SpecserveError(f"cannot truncate sequence {seq} of length {self.seq_len[seq]} to {n_keep}")
-        self.seq_len[seq] = n_keep
+        ...
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        """Make dst's cache a copy of src's (shared prompt prefixes)."""
-        n = self.seq_len[src]
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
-        self.seq_len[dst] = n
+    def kv_copy(self, src: int, dst: int) -> None: ...
 
-    def memory_info(self) -> dict[str, int]:
-        kv_bytes = self.kv.numel() * self.kv.element_size()
-        return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": kv_bytes}
+    def draft_limit(self, n_max: int) -> int:
+        """The most draft tokens a verify step should carry (n_max or fewer)."""
+        ...
+
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512) -> None:
+        """Prepare steps of up to max_rows rows (e.g. capture CUDA graphs) before serving."""
+        ...
+
+    def memory_info(self) -> dict[str, int]: ...

@@ -30,6 +30,7 @@ class Task:
     stop: list[str] = field(default_factory=list)
     cache_prompt: bool = True
     n_probs: int = 0  # top log-probabilities reported per generated token
+    ignore_eos: bool = False  # generate past end-of-generation tokens (benchmarks)
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:
@@ -40,7 +41,7 @@ class Task:
             "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
             "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
-            "cache_prompt": self.cache_prompt,
+            "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,
             "speculative.type": p.type, "speculative.ngram_size_n": p.ngram_size_n,
             "speculative.ngram_size_m": p.ngram_size_m, "speculative.ngram_c_rate": p.ngram_check_rate,
@@ -82,6 +83,7 @@ class Result:
     draft_n: int
     draft_n_accepted: int
     context_full: bool = False
+    n_steps: int = 0  # decode and verify steps the task took part in
 
     def timings(self) -> dict[str, float | int]:
         n_eval = self.n_prompt - self.n_cached

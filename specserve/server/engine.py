@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from specserve import catalog
-from specserve.engine.runner import LocalRunner
+from specserve.engine.loading import load_with_draft
+from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Task
@@ -22,7 +23,6 @@ from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.speculative.base import SpecParams
-from specserve.speculative.draft_model import load_with_draft
 from specserve.speculative.factory import build_chain
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,10 @@ class Engine:
         self.runner = runner
         self.draft_runner = draft_runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(runner, tokenizer, draft_runner=draft_runner, n_batch=settings.n_batch)
+        if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
+            raise SpecserveError("the draft runner needs one sequence per slot")
+        self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
+                                   chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
         self.n_ctx = runner.n_ctx
         self.created = int(time.time())
         name = settings.alias or settings.model or catalog.DEFAULT_MODEL

@@ -9,62 +9,41 @@ as llama.cpp's draft sampler computes it) falls below p_min.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from specserve.engine.batch import Batch, common_prefix
-from specserve.engine.generate import prefill
-from specserve.engine.runner import LocalRunner
-from specserve.errors import SpecserveError
+from specserve.model.batch import Batch, common_prefix
 from specserve.speculative.base import Speculator
 
-VOCAB_SIZE_SLACK = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE
-VOCAB_CHECK_START = 5  # llama.cpp's SPEC_VOCAB_CHECK_START_TOKEN_ID
 TOP_K = 10
 
 
-def check_vocab_compatible(target: dict[str, Any], draft: dict[str, Any]) -> None:
-    """Refuse a draft model whose tokenizer differs from the target's (GGUF metadata)."""
+class DraftRunner(Protocol):
+    """What the draft speculator needs of the draft model's runner (engine.runner.Runner has it)."""
 
-    def meta(m: dict[str, Any], key: str) -> Any:
-        return m.get(f"tokenizer.ggml.{key}")
+    n_ctx: int
 
-    problems = []
-    if meta(target, "model") != meta(draft, "model"):
-        problems.append(f"tokenizer type {meta(draft, 'model')} != {meta(target, 'model')}")
-    for key in ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token"):
-        if meta(target, key) != meta(draft, key):
-            problems.append(f"{key} {meta(draft, key)} != {meta(target, key)}")
-    t_tokens, d_tokens = meta(target, "tokens") or [], meta(draft, "tokens") or []
-    if abs(len(t_tokens) - len(d_tokens)) > VOCAB_SIZE_SLACK:
-        problems.append(f"vocabulary sizes {len(d_tokens)} and {len(t_tokens)} differ by more than "
-                        f"{VOCAB_SIZE_SLACK}")
-    else:
-        for i in range(VOCAB_CHECK_START, min(len(t_tokens), len(d_tokens))):
-            if t_tokens[i] != d_tokens[i]:
-                problems.append(f"token {i} is {d_tokens[i]!r} in the draft but {t_tokens[i]!r} in the target")
-                break
-    if problems:
-        raise SpecserveError("the draft model is not compatible with the target: " + "; ".join(problems))
+    def forward(self, batch: Batch) -> torch.Tensor: ...
+    def kv_truncate(self, seq: int, n_keep: int) -> None: ...
 
 
-def load_with_draft(target: Path, draft: Path | None, **runner_args: Any) -> tuple[LocalRunner, LocalRunner | None]:
-    """The target's runner and, if a draft model is given, the draft's: same settings and context
-    size, vocabulary checked against the target's."""
-    runner = LocalRunner(target, **runner_args)
-    if draft is None:
-        return runner, None
-    draft_runner = LocalRunner(draft, **{**runner_args, "n_ctx": runner.n_ctx})
-    check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
-    return runner, draft_runner
+def _evaluate(runner: DraftRunner, seq: int, tokens: list[int], start: int, n_batch: int) -> torch.Tensor:
+    """Evaluate tokens[start:] (positions start..) in chunks of n_batch; the logits of the last one."""
+    logits = None
+    for chunk_start in range(start, len(tokens), n_batch):
+        chunk = tokens[chunk_start:chunk_start + n_batch]
+        batch = Batch()
+        batch.add_sequence(chunk, chunk_start, seq, "last")
+        logits = runner.forward(batch)[0]
+    assert logits is not None, "at least one token to evaluate"
+    return logits
 
 
 class DraftModelSpeculator(Speculator):
     name = "draft"
 
-    def __init__(self, runner: LocalRunner, p_min: float, seq: int = 0, n_batch: int = 512):
+    def __init__(self, runner: DraftRunner, p_min: float, seq: int = 0, n_batch: int = 512):
         super().__init__()
         self.runner = runner
         self.p_min = p_min
@@ -78,7 +57,7 @@ class DraftModelSpeculator(Speculator):
             return []
         keep = min(common_prefix(self.cached, context), len(context) - 1)  # always evaluate at least the newest token
         self.runner.kv_truncate(self.seq, keep)
-        logits = prefill(self.runner, self.seq, context, self.n_batch, start=keep)
+        logits = _evaluate(self.runner, self.seq, context, keep, self.n_batch)
         self.cached = context
         draft: list[int] = []
         while True:

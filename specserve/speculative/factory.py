@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from specserve.engine.runner import LocalRunner
 from specserve.speculative.base import Chain, SpecParams, Speculator
-from specserve.speculative.draft_model import DraftModelSpeculator
+from specserve.speculative.draft_model import DraftModelSpeculator, DraftRunner
 from specserve.speculative.ngram_cache import NgramCacheSpeculator
 from specserve.speculative.ngram_map import NgramMap
 from specserve.speculative.ngram_simple import NgramSimple
 from specserve.speculative.ngram_suffix import NgramSuffix
 
 
-def build_chain(params: SpecParams, draft_runner: LocalRunner | None = None, seq: int = 0) -> Chain | None:
+def build_chain(params: SpecParams, draft_runner: DraftRunner | None = None, seq: int = 0) -> Chain | None:
     """Draft-free type first, then the draft model; None when neither is configured."""
     members: list[Speculator] = []
     if params.type == "ngram-simple":

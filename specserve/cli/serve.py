@@ -39,7 +39,7 @@ def _apply_env(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from specserve.cli import add_model_args, add_sampling_args, add_spec_args
+    from specserve.cli.args import add_model_args, add_sampling_args, add_spec_args
 
     p = subparsers.add_parser(
         "serve", help="run the HTTP server (llama-server and OpenAI compatible)",
@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from specserve.cli import sampling_params_from_args, spec_params_from_args
+    from specserve.cli.args import sampling_params_from_args, spec_params_from_args
     from specserve.server.app import create_app
     from specserve.server.engine import ServerSettings, check_settings
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from specserve.gguf.tokenizer import Tokenizer
 
 # The project's shared folder sits beside the checkout (../shared); CI lays it out the same way.
-DEFAULT_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "workloads" / "prompts.json"
+DEFAULT_PATH = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "prompts.json"
 
 
 def workload_path(path: str | Path | None = None) -> Path:

@@ -1,0 +1,209 @@
+"""LocalRunner: a model plus its KV cache on one torch device, driven by Batches (the Runner protocol)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specserve.engine.cuda_graphs import PROMPT_ROWS, RING_ROWS, GraphCache, feed_tokens
+from specserve.engine.host_copy import LaunchedStep
+from specserve.errors import SpecserveError
+from specserve.gguf.reader import GGUFFile
+from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.linear import MAX_GEMV_ROWS
+from specserve.model.batch import Batch
+from specserve.model.config import ModelConfig
+from specserve.model.transformer import Transformer
+from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (tensor cores, half the bytes), fp32 on CPU (exact reference match)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def freeze_gc() -> None:
+    """Move every object alive now (weights, captured graphs) out of the garbage collector's
+    view. A forward allocates many short-lived objects, and each collection would otherwise
+    walk all the long-lived ones too: with two models loaded that host time halved the
+    prefill rate on an H200 (pp512 24k vs 43k tok/s)."""
+    gc.collect()
+    gc.freeze()
+
+
+class LocalRunner:
+    """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        n_seqs: int = 1,
+        n_ctx: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        progress: bool = True,
+        cuda_graphs: bool = True,
+        weight_format: str = "auto",
+    ):
+        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto" is "float": every matrix
+        in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
+        gguf = GGUFFile(model_path)
+        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+        dev = torch.device(device) if device is not None else default_device()
+        dt = dtype or default_dtype(dev)
+        self.weight_format = resolve_weight_format(weight_format)
+        weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
+        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
+        self.gguf: GGUFFile | None = gguf
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1,
+                     n_ctx: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
+        """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
+        quantizes their matrices in place."""
+        runner = cls.__new__(cls)
+        runner.weight_format = resolve_weight_format(weight_format)
+        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs)
+        runner.gguf = None
+        return runner
+
+    def _setup(self, config: ModelConfig, weights: ModelWeights, n_seqs: int, n_ctx: int | None,
+               cuda_graphs: bool) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.n_ctx = int(n_ctx or min(config.context_length, 4096))
+        if self.n_ctx < 1 or n_seqs < 1:
+            raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
+        self.n_seqs = n_seqs
+        self.model = Transformer(config, weights, self.n_ctx)
+        cfg = config
+        use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
+                      and triton_enabled(weights.embed))
+        # With graphs, one extra sequence absorbs the writes of padding rows.
+        self.kv = torch.zeros(
+            (cfg.n_layers, 2, n_seqs + int(use_graphs), cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        self.seq_len = [0] * n_seqs
+        # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
+        # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
+        # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
+        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
+                              else None)
+        self._ring = torch.zeros((2, RING_ROWS), dtype=torch.long, device=self.device)  # see cuda_graphs
+        self._launches = 0
+        self._last_rows = 0  # rows of the last launched step (what fed indices may name)
+        self.graphs = (GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs, ring=self._ring)
+                       if use_graphs else None)
+        freeze_gc()
+
+    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
+        """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
+        prompt_rows (no-op without graphs)."""
+        if self.graphs is not None:
+            self.graphs.capture_up_to(max_rows, prompt_rows)
+            freeze_gc()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def draft_limit(self, n_max: int) -> int:
+        """n_max drafts, fewer where a step of 1 + n_max rows would take a second pass."""
+        rows = self.max_step_rows
+        return n_max if rows is None else min(n_max, rows - 1)
+
+    def launch(self, batch: Batch, fed: Sequence[int] | None = None) -> LaunchedStep:
+        """Queue a forward pass; the batch's K/V enter the cache. fed[i] >= 0: row i's token is the argmax of
+        batch row fed[i] of the step launched just before on this runner (which wanted that row's logits);
+        its entry in batch.tokens is ignored. So the next step can be queued before this one is read."""
+        runs = batch.runs()
+        self._check(batch, runs, fed)
+        parity = self._launches % 2
+        self._launches += 1
+        self._last_rows = len(batch)
+        step = self.graphs.launch(batch, fed, parity) if self.graphs is not None else None
+        if step is None:  # no graph takes a batch of this shape
+            step = self._launch_eager(batch, runs, fed, parity)
+        # Writing at position p makes p the sequence's end: later entries are stale.
+        for seq, _start, _end, kv_len in runs:
+            self.seq_len[seq] = kv_len
+        return step
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits [rows wanting logits, vocab]; the batch's K/V enter the cache."""
+        return self.launch(batch).logits()
+
+    def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                           logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
+        capture)."""
+        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv)
+
+    def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], fed: Sequence[int] | None,
+                      parity: int) -> LaunchedStep:
+        dev = self.device
+
+        def on_device(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+        wanted = batch.logit_rows()
+        rows = on_device(wanted)
+        with torch.inference_mode():
+            tokens = on_device(batch.tokens)
+            if fed is not None:
+                tokens = feed_tokens(tokens, on_device(fed), self._ring[1 - parity])
+            logits = self.model.forward(tokens, on_device(batch.positions), on_device(batch.seq_ids), rows, runs,
+                                        self.kv)
+            argmax = logits.argmax(dim=-1)
+            self._ring[parity].index_copy_(0, rows, argmax)
+        return LaunchedStep(logits, argmax, len(wanted))
+
+    def _check(self, batch: Batch, runs: list[tuple[int, int, int, int]], fed: Sequence[int] | None) -> None:
+        if len(batch) == 0:
+            raise SpecserveError("empty batch")
+        if len(batch.logit_rows()) > RING_ROWS:
+            raise SpecserveError(f"a step may want the logits of at most {RING_ROWS} rows")
+        if fed is not None and (len(fed) != len(batch) or max(fed, default=-1) >= self._last_rows):
+            raise SpecserveError("fed rows must name rows of the step launched before")
+        seen: set[int] = set()
+        for seq, start, end, kv_len in runs:
+            if not 0 <= seq < self.n_seqs:
+                raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
+            if seq in seen:
+                raise SpecserveError(f"rows of sequence {seq} are not consecutive in the batch")
+            seen.add(seq)
+            pos = batch.positions[start:end]
+            if pos[0] > self.seq_len[seq] or pos != list(range(pos[0], pos[0] + len(pos))):
+                raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
+            if kv_len > self.n_ctx:
+                raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
+        if not 0 <= min(batch.tokens) <= max(batch.tokens) < self.config.vocab_size:  # (C loops: on the step path)
+            bad = next(t for t in batch.tokens if not 0 <= t < self.config.vocab_size)
+            raise SpecserveError(f"token id {bad} out of range (vocabulary size {self.config.vocab_size})")
+
+    def kv_truncate(self, seq: int, n_keep: int) -> None:
+        """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
+        if not 0 <= n_keep <= self.seq_len[seq]:
+            raise SpecserveError(f"cannot truncate sequence {seq} of length {self.seq_len[seq]} to {n_keep}")
+        self.seq_len[seq] = n_keep
+
+    def kv_copy(self, src: int, dst: int) -> None:
+        """Make dst's cache a copy of src's (shared prompt prefixes)."""
+        n = self.seq_len[src]
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.seq_len[dst] = n
+
+    def memory_info(self) -> dict[str, int]:
+        kv_bytes = self.kv.numel() * self.kv.element_size()
+        return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": kv_bytes}

@@ -1,0 +1,224 @@
+"""The scheduler's second half: settling a step (each slot verifies its rows, keeps what it accepted,
+streams it) and ending tasks. One stop vocabulary, llama-server's: "eos", "word", "limit" (n_predict or a
+full context, the latter flagged), "cancelled".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from specserve.engine.runner import Runner
+from specserve.engine.slots import SchedulerCounters, Slot, SlotState
+from specserve.engine.step_plan import Entry, InFlight
+from specserve.engine.tasks import Chunk, Failure, Result, TokenProb
+from specserve.errors import SpecserveError
+from specserve.gguf.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class SlotResults:
+    """What Scheduler does with a settled step (it provides these attributes)."""
+
+    runner: Runner
+    tokenizer: Tokenizer
+    n_ctx: int
+    slots: list[Slot]
+    counters: SchedulerCounters
+    _cond: threading.Condition
+
+    def _settle(self, flight: InFlight) -> None:
+        live = flight.live()
+        if not live:
+            return
+        greedy = [e.slot.greedy_only for e in live]
+        tokens = flight.step.tokens() if any(greedy) else None
+        logits = flight.step.logits() if not all(greedy) else None
+        for e, argmax_only in zip(live, greedy, strict=True):
+            if not e.slot.runs(e.task_id):
+                continue
+            span = slice(e.logit_row, e.logit_row + e.n_logits)
+            picked = tokens[span] if argmax_only and tokens is not None else None
+            rows = logits[span] if logits is not None else None
+            try:
+                if e.prompt:
+                    self._after_prompt_chunk(e, picked, rows)
+                else:
+                    self._after_decode(e, picked, rows)
+            except Exception as exc:
+                log.exception("processing slot %d failed", e.slot.id)
+                self._fail(e.slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
+        with self._cond:
+            self.counters.n_tokens_max = max([self.counters.n_tokens_max, *(len(s.cache) for s in self.slots)])
+
+    @staticmethod
+    def _choose(slot: Slot, picked: list[int] | None, rows: torch.Tensor | None, draft: list[int]) -> list[int]:
+        """The accepted draft prefix plus one new token (row i is the target's view after draft[:i])."""
+        assert slot.sampler is not None
+        if picked is not None:
+            return slot.sampler.accept(picked, draft)
+        assert rows is not None
+        return slot.sampler.sample_and_verify(rows, draft) if draft else [slot.sampler.sample(rows[0])]
+
+    def _after_prompt_chunk(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
+        slot = e.slot
+        task = slot.task
+        slot.cache.extend(task.prompt[slot.n_past:slot.n_past + e.n_rows])
+        slot.n_past += e.n_rows
+        if not e.final:
+            return
+        slot.t_prompt_done = time.perf_counter()
+        with self._cond:
+            self.counters.prompt_tokens += len(task.prompt) - slot.n_cached
+            self.counters.prompt_seconds += slot.t_prompt_done - slot.t_start
+        slot.state = SlotState.GENERATING
+        if task.n_predict == 0:
+            self._finish(slot, "limit")
+            return
+        slot.last = self._choose(slot, picked, rows, [])[0]
+        if slot.use_chain:
+            slot.chain.begin(task.prompt)  # type: ignore[union-attr]
+        self._emit_tokens(slot, [slot.last], rows)
+
+    def _after_decode(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
+        slot = e.slot
+        first = slot.last  # what row 0 evaluated (a fed row: the token the step before gave)
+        if e.guess is not None and first != e.guess:  # the draft guessed wrong: only row 0 counts
+            out = self._choose(slot, picked[:1] if picked is not None else None,
+                               rows[:1] if rows is not None else None, [])
+            n_acc = 0
+        else:
+            out = self._choose(slot, picked, rows, e.draft)
+            n_acc = len(out) - 1 + int(e.guess is not None)
+        if e.guess is not None or e.draft:
+            assert slot.chain is not None
+            slot.chain.accept(n_acc)
+            slot.draft_n += len(e.draft) + int(e.guess is not None)
+            slot.draft_accepted += n_acc
+            self._count_drafts(slot)
+        slot.n_steps += 1
+        slot.cache.append(first)
+        slot.cache.extend(out[:-1])
+        if e.n_rows > 1:
+            self.runner.kv_truncate(slot.id, len(slot.cache))  # drop the rejected draft positions
+        slot.last = out[-1]
+        self._emit_tokens(slot, out, rows)
+
+    def _count_drafts(self, slot: Slot) -> None:
+        """Move the chain members' new draft counts into the per-type counters."""
+        assert slot.chain is not None
+        with self._cond:
+            c = self.counters
+            for m in slot.chain.members:
+                gen0, acc0 = slot.spec_seen.get(m.name, (0, 0))
+                gen, acc = m.stats.gen_tokens, m.stats.acc_tokens
+                if gen != gen0 or acc != acc0:
+                    c.draft_generated[m.name] = c.draft_generated.get(m.name, 0) + gen - gen0
+                    c.draft_accepted[m.name] = c.draft_accepted.get(m.name, 0) + acc - acc0
+                    slot.spec_seen[m.name] = (gen, acc)
+
+    def _emit_tokens(self, slot: Slot, tokens: list[int], rows: torch.Tensor | None) -> None:
+        """Hand out the step's tokens (row i of rows produced tokens[i]) and stop when a condition hits."""
+        task = slot.task
+        stream = slot.stream
+        assert stream is not None
+        stop_type = ""
+        emitted: list[int] = []
+        for token in tokens:
+            slot.n_decoded += 1
+            emitted.append(token)
+            if not task.ignore_eos and self.tokenizer.is_eog(token):
+                stop_type = "eos"
+                break
+            if stream.add(token):
+                stop_type = "word"
+                break
+            if 0 <= task.n_predict <= slot.n_decoded:
+                stop_type = "limit"
+                break
+        context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
+        if context_full:
+            stop_type = "limit"
+        probs = None
+        if task.n_probs > 0 and rows is not None:
+            probs = self._probs(rows[:len(emitted)], emitted, task.n_probs)
+        if stop_type and stop_type != "word":
+            stream.flush()
+        text = stream.take(final=bool(stop_type))
+        if text or emitted:
+            slot.handle.emit(Chunk(text, emitted, probs))  # type: ignore[union-attr]
+        if stop_type:
+            self._finish(slot, stop_type, context_full)
+
+    @staticmethod
+    def _probs(rows: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenProb]:
+        """Log-probabilities of the model's distribution (before sampling filters) at each row."""
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        top = torch.topk(logp, min(n_top, logp.shape[-1]), dim=-1)
+        rows_idx = torch.arange(len(tokens), device=logp.device)
+        chosen = logp[rows_idx, torch.tensor(tokens, device=logp.device)].tolist()
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        return [TokenProb(t, lp, list(zip(ids, vals, strict=True)))
+                for t, lp, ids, vals in zip(tokens, chosen, top_ids, top_vals, strict=True)]
+
+    # -- task end ----------------------------------------------------------------------------------
+
+    def _finish(self, slot: Slot, stop_type: str, context_full: bool = False) -> None:
+        handle = slot.handle
+        assert handle is not None and slot.stream is not None
+        now = time.perf_counter()
+        prompt_done = slot.t_prompt_done if slot.state == SlotState.GENERATING else now
+        if stop_type != "word":
+            slot.stream.flush()
+        text = slot.stream.take(final=True)
+        if text and stop_type != "cancelled":
+            handle.emit(Chunk(text, []))
+        result = Result(
+            slot=slot.id, stop_type=stop_type, stopping_word=slot.stream.stopping_word,
+            n_prompt=len(handle.task.prompt), n_cached=slot.n_cached, n_predicted=slot.n_decoded,
+            prompt_ms=(prompt_done - slot.t_start) * 1000, predicted_ms=(now - prompt_done) * 1000,
+            draft_n=slot.draft_n, draft_n_accepted=slot.draft_accepted, context_full=context_full,
+            n_steps=slot.n_steps,
+        )
+        # Steps queued after this one may have written past what the slot keeps.
+        self.runner.kv_truncate(slot.id, len(slot.cache))
+        with self._cond:
+            c = self.counters
+            c.tokens_predicted += slot.n_decoded
+            c.predicted_seconds += now - prompt_done
+            c.requests_done += 1
+            self._release(slot)
+        if slot.use_chain:
+            self._end_chain(slot)
+        handle.emit(result)
+
+    def _fail(self, slot: Slot, message: str) -> None:
+        handle = slot.handle
+        with self._cond:
+            self.counters.requests_failed += 1
+            self._release(slot)
+        # The slot's cache may not match its KV any more: start the next task from scratch.
+        slot.cache = []
+        slot.chain, slot.chain_key = None, None
+        if handle is not None:
+            handle.emit(Failure(message))
+
+    def _release(self, slot: Slot) -> None:
+        """(Under the lock.)"""
+        slot.handle = None
+        slot.state = SlotState.IDLE
+        slot.last_used = time.perf_counter()
+        self.counters.requests_processing = sum(s.handle is not None for s in self.slots)
+
+    def _end_chain(self, slot: Slot) -> None:
+        if slot.chain is None:
+            return
+        try:
+            slot.chain.end()  # e.g. ngram-cache saves its dynamic file
+        except Exception:
+            log.exception("speculator end() failed on slot %d", slot.id)
+            slot.chain, slot.chain_key = None, None

@@ -1,0 +1,105 @@
+"""Slots (one per KV sequence) and the counters /metrics reads, as the scheduler keeps them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from specserve.engine.sampling import Sampler
+from specserve.engine.tasks import Task, TaskHandle
+from specserve.engine.text_stream import TextStream
+from specserve.speculative.base import Chain, SpecParams
+
+
+class SlotState(Enum):
+    IDLE = "idle"
+    PROMPT = "processing_prompt"
+    GENERATING = "generating"
+
+
+@dataclass
+class Slot:
+    id: int
+    state: SlotState = SlotState.IDLE
+    handle: TaskHandle | None = None
+    cache: list[int] = field(default_factory=list)  # tokens whose K/V sit in this slot's sequence (settled)
+    last_used: float = 0.0
+    # per task
+    n_past: int = 0  # prompt tokens in the cache
+    n_planned: int = 0  # prompt tokens in launched steps (n_past once they are settled)
+    n_cached: int = 0  # prompt tokens reused from the previous task
+    last: int = -1  # newest sampled token: the next step of this slot evaluates it first
+    n_decoded: int = 0
+    n_steps: int = 0  # decode and verify steps settled
+    draft_n: int = 0
+    draft_accepted: int = 0
+    t_start: float = 0.0
+    t_prompt_done: float = 0.0
+    sampler: Sampler | None = None
+    stream: TextStream | None = None
+    # speculator, kept across tasks while the speculative parameters stay the same
+    chain: Chain | None = None
+    chain_key: SpecParams | None = None
+    use_chain: bool = False  # the current task speculates
+    spec_seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # member -> (gen, acc) counted
+
+    @property
+    def task(self) -> Task:
+        assert self.handle is not None
+        return self.handle.task
+
+    def runs(self, task_id: int) -> bool:
+        """Whether the slot still runs task task_id (not finished, failed or cancelled since)."""
+        h = self.handle
+        return h is not None and h.task.id == task_id and not h.cancelled
+
+    @property
+    def greedy_only(self) -> bool:
+        """The task needs only each row's argmax (no sampling, no probabilities): its steps can be chained."""
+        return (self.sampler is not None and self.sampler.argmax_only and self.handle is not None
+                and self.handle.task.n_probs == 0)
+
+    def to_json(self, n_ctx: int) -> dict[str, object]:
+        """The slot as llama-server's /slots shows it."""
+        handle = self.handle
+        task = handle.task if handle is not None else None
+        n_remain = -1
+        if task is not None and task.n_predict >= 0:
+            n_remain = max(task.n_predict - self.n_decoded, 0)
+        return {
+            "id": self.id,
+            "id_task": task.id if task is not None else -1,
+            "n_ctx": n_ctx,
+            "state": self.state.value if handle is not None else "idle",
+            "is_processing": handle is not None,
+            "speculative": handle is not None and self.use_chain,
+            "n_cached_tokens": len(self.cache),
+            "params": task.params_json() if task is not None else {},
+            "next_token": {
+                "has_next_token": handle is not None,
+                "n_remain": n_remain,
+                "n_decoded": self.n_decoded if handle is not None else 0,
+                "n_prompt_tokens_processed": self.n_past - self.n_cached if handle is not None else 0,
+            },
+        }
+
+
+@dataclass
+class SchedulerCounters:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    tokens_predicted: int = 0
+    predicted_seconds: float = 0.0
+    n_decode: int = 0  # forward passes
+    n_busy_slots: int = 0  # summed over forward passes
+    requests_processing: int = 0
+    requests_deferred: int = 0
+    n_tokens_max: int = 0
+    requests_done: int = 0
+    requests_failed: int = 0
+    draft_generated: dict[str, int] = field(default_factory=dict)  # speculator name -> tokens
+    draft_accepted: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> SchedulerCounters:
+        return SchedulerCounters(**{**self.__dict__, "draft_generated": dict(self.draft_generated),
+                                    "draft_accepted": dict(self.draft_accepted)})

@@ -1,0 +1,74 @@
+"""One step as the scheduler plans it: a Batch over the active slots, and what each slot's rows mean."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.engine.runner import Step
+from specserve.engine.slots import Slot
+from specserve.model.batch import Batch
+
+
+@dataclass
+class Entry:
+    """One slot's rows in a step."""
+
+    slot: Slot
+    task_id: int
+    first_row: int  # its first row in the batch
+    n_rows: int
+    logit_row: int  # where its rows' logits start among the step's logit rows
+    prompt: bool  # a prompt chunk (else a decode or verify step)
+    final: bool = False  # prompt: the last chunk (its one logit row gives the first token)
+    draft: list[int] = field(default_factory=list)  # decode: the tokens of rows 1.., checked by rows 0..
+    guess: int | None = None  # decode, fed with a draft: what the speculator took row 0's token to be
+
+    @property
+    def n_logits(self) -> int:
+        return int(self.final) if self.prompt else self.n_rows
+
+    @property
+    def last_logit_row(self) -> int:
+        """The batch row a following step may take its fed token from."""
+        return self.first_row + self.n_rows - 1
+
+
+@dataclass
+class Plan:
+    batch: Batch = field(default_factory=Batch)
+    fed: list[int] = field(default_factory=list)  # per row: the previous step's row whose argmax is its token
+    entries: list[Entry] = field(default_factory=list)
+    n_logits: int = 0
+
+    def _add(self, entry: Entry, fed_row: int) -> None:
+        self.fed.extend([fed_row] + [-1] * (entry.n_rows - 1))
+        self.entries.append(entry)
+        self.n_logits += entry.n_logits
+
+    def add_decode(self, slot: Slot, position: int, first: int, draft: list[int], fed_row: int = -1,
+                   guess: int | None = None) -> None:
+        """Rows [first, *draft] at position..; fed_row >= 0: first is the previous step's argmax at that row."""
+        entry = Entry(slot, slot.task.id, len(self.batch), 1 + len(draft), self.n_logits, prompt=False,
+                      draft=draft, guess=guess)
+        self.batch.add_sequence([first, *draft], position, slot.id, "all")
+        self._add(entry, fed_row)
+
+    def add_prompt(self, slot: Slot, chunk: list[int], start: int, final: bool) -> None:
+        entry = Entry(slot, slot.task.id, len(self.batch), len(chunk), self.n_logits, prompt=True, final=final)
+        self.batch.add_sequence(chunk, start, slot.id, "last" if final else "none")
+        self._add(entry, -1)
+
+    def fed_rows(self) -> list[int] | None:
+        return self.fed if any(f >= 0 for f in self.fed) else None
+
+
+@dataclass
+class InFlight:
+    """A launched step, not yet settled."""
+
+    step: Step
+    entries: list[Entry]
+
+    def live(self) -> list[Entry]:
+        """Entries whose slot still runs the same task."""
+        return [e for e in self.entries if e.slot.runs(e.task_id)]
