@@ -36,8 +36,9 @@ from random_model import CFG, DEV, graph_at, graph_us, make_runner, replay_us, s
 
 from specserve.bench import bench_decode, bench_prefill, copy_bandwidth
 from specserve.engine.local_runner import LocalRunner
-from specserve.kernels import linear_cuda, linear_triton
+from specserve.kernels import linear_triton, quant_cuda
 from specserve.kernels.activation import silu_mul
+from specserve.kernels.cuda import block_shapes, build
 from specserve.kernels.linear import QuantWeight
 from specserve.kernels.rope import RopeWrite, rope_cos_sin
 from specserve.model.batch import Batch
@@ -238,15 +239,14 @@ class Rotation:
 
 def prebuild_calls(calls: list[Callable[[], object]]) -> None:
     """Builds the variants these calls launch, all at once: the calls run first with a stand-in for
-    the built kernel that records its key and launches nothing (neither launcher runs)."""
+    the built kernel that records its key, and a launch that does nothing."""
     keys: list[tuple] = []
-    stand_in = lambda key, sibling=None: (keys.append(key), lambda **kw: None)[1]  # noqa: E731
-    no_launch = lambda *args: None  # noqa: E731 - clusters launch through cuLaunchKernelEx
-    with mock.patch.object(linear_cuda, "_kernel", stand_in), mock.patch.object(linear_cuda, "_launch_ex", no_launch), \
-            mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):
+    stand_in = lambda key, sibling=None: keys.append(key)  # noqa: E731
+    no_launch = lambda *args: None  # noqa: E731
+    with mock.patch.object(build, "kernel", stand_in), mock.patch.object(build, "launch", no_launch):
         for c in calls:
             c()
-    linear_cuda.prebuild(sorted(set(keys)))
+    build.prebuild(sorted(set(keys)))
 
 
 def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation) -> dict[str, object]:
@@ -259,7 +259,7 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
         return linear_triton.gemv(x, qs(), None, silu, torch.bfloat16)
 
     def cuda(blocks: dict[str, int] | None = None, kernel: str = "gemv_q") -> torch.Tensor:
-        return linear_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, kernel=kernel)
+        return quant_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, kernel=kernel)
 
     variants = [(f"rn{rn}u{u}k{ks}", "gemv_q", {"RN": rn, "U": u, "KSPLIT": ks}) for rn, u, ks in SWEEP[m]]
     variants += [(f"mma_t{tl}k{ks}d{d}", "gemv_mma", {"TILES": tl, "KSPLIT": ks, "D": d}) for tl, ks, d in MMA_SWEEP]
@@ -272,9 +272,9 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
                              2 * len(fl.items), n * k * 2)
     r["triton"] = timed(tri, calls, qbytes)
     r["cuda"] = timed(cuda, calls, qbytes)
-    r["cuda_blocks"] = linear_cuda.pick_cuda_blocks(k)
+    r["cuda_blocks"] = block_shapes.pick_cuda_blocks(k)
     r["mma"] = timed(lambda: cuda(kernel="gemv_mma"), calls, qbytes)
-    r["mma_blocks"] = linear_cuda.pick_mma_blocks(n, k)
+    r["mma_blocks"] = block_shapes.pick_mma_blocks(n, k)
     best: dict[str, tuple[str, float]] = {}
     for label, kernel, blocks in variants:
         us = timed(lambda b=blocks, kn=kernel: cuda(b, kn), calls, qbytes).get("us")
@@ -328,7 +328,7 @@ def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, i
     out_dtype = torch.float32 if "logits" in what else torch.bfloat16
 
     def call(blocks: dict[str, int] | None = None) -> object:
-        return linear_cuda.gemv(x, qs(), None, False, out_dtype, blocks, kernel="gemv_mma",
+        return quant_cuda.gemv(x, qs(), None, False, out_dtype, blocks, kernel="gemv_mma",
                                 swiglu_output="swiglu" in what, norm=norm, add_to=residual, rope=rope)
     return call
 
@@ -342,17 +342,17 @@ def section_fused(rows: tuple[int, ...] = (1, 2, 8), sweep: bool = True) -> None
         calls = {m: fused_call(name, m, qs, k) for m in rows}
         cfgs = [None] + ([{"TILES": t, "KSPLIT": ks, "D": d} for t, ks, d in FUSED_SWEEP] if sweep else [])
         t0 = time.perf_counter()
-        minb1 = [{**linear_cuda.pick_mma_blocks(n, k, m), "MINB": 1} for m in calls]
+        minb1 = [{**block_shapes.pick_mma_blocks(n, k, m), "MINB": 1} for m in calls]
         prebuild_calls([lambda c=c, b=b: c(b) for c in calls.values() for b in cfgs + minb1])
         built_s = time.perf_counter() - t0
         for m, call in calls.items():
             r: dict[str, object] = {"matrix": name, "fused": FUSED[name], "rows": m,
                                     "MB": round(qs.items[0].n_bytes() / 1e6, 2), "built_s": round(built_s, 1),
-                                    "default_blocks": linear_cuda.pick_mma_blocks(n, k, m)}
+                                    "default_blocks": block_shapes.pick_mma_blocks(n, k, m)}
             for b in cfgs:
                 label = "default" if b is None else f"t{b['TILES']}k{b['KSPLIT']}d{b['D']}"
                 r[label] = timed(lambda b=b, c=call: c(b), 2 * len(qs.items), qs.items[0].n_bytes()).get("us")
-            one_block = {**linear_cuda.pick_mma_blocks(n, k, m), "MINB": 1}  # registers unbounded
+            one_block = {**block_shapes.pick_mma_blocks(n, k, m), "MINB": 1}  # registers unbounded
             r["default_minb1"] = timed(lambda c=call, b=one_block: c(b), 2 * len(qs.items),
                                        qs.items[0].n_bytes()).get("us")
             with mock.patch.dict(os.environ, {"SPECSERVE_PDL": "0"}):  # each launch after the last one ends

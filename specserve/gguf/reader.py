@@ -14,8 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from specserve.errors import SpecserveError
-from specserve.gguf.repack import REPACKABLE, repack
-from specserve.kernels.linear import QuantWeight
+from specserve.gguf.repack import REPACKABLE, QuantInts, repack
 
 GGUF_MAGIC = b"GGUF"
 
@@ -99,9 +98,9 @@ class GGUFFile:
         tensor = torch.from_numpy(array).reshape(self.tensor_shape(name))
         return tensor.to(device=device, dtype=dtype)
 
-    def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantWeight | None:
-        """A 2-D block-quantized tensor kept quantized (integers exact, scales in fp16; see repack.py and
-        QuantWeight); None for other types."""
+    def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantInts | None:
+        """A 2-D block-quantized tensor as its exact integers and fp32 scales and mins per group (see
+        repack.py); None for other types."""
         t = self._tensor(name)
         shape = self.tensor_shape(name)
         if t.tensor_type not in REPACKABLE or len(shape) != 2:
@@ -111,8 +110,8 @@ class GGUFFile:
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
         group = shape[1] // scale.shape[1]
-        return QuantWeight.from_ints(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
-                                     None if mins is None else torch.from_numpy(mins).to(device), group)
+        return QuantInts(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
+                         None if mins is None else torch.from_numpy(mins).to(device), group)
 
     def _tensor(self, name: str) -> Any:
         try:

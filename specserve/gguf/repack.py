@@ -1,15 +1,19 @@
-"""GGUF block-quantized tensors as QuantWeight (q int8, fp32 scale and min per group), exactly.
+"""GGUF block-quantized tensors as exact integers (q int8, fp32 scale and min per group).
 
 Every block format read here decodes as w = q * scale - min over groups of 16 or 32 weights,
 with small integers q. The integers come from gguf's own decoder run on copies of the blocks
 whose scales are forged to 1 (and mins to 0), so no bit layout is re-implemented here; the
 real scales are read from the block headers. scale * q - min in fp32 is what gguf computes,
-so dequantizing the result gives gguf's values bit for bit (tests/test_repack.py).
+so dequantizing the result gives gguf's values bit for bit (tests/test_repack.py). model/weights.py
+packs them for the kernels (QuantWeight.from_ints); this layer knows nothing of the kernels.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize
@@ -27,6 +31,15 @@ LAYOUT: dict[Q, tuple[int, int, int | None]] = {
     Q.Q6_K: (16, 208, None),
 }
 REPACKABLE = frozenset(LAYOUT)
+
+
+class QuantInts(NamedTuple):
+    """A matrix W = q * scale - mins per group of `group` consecutive k, the integers exact."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N, K / group]
+    mins: torch.Tensor | None  # fp32 [N, K / group]; None for formats without a min
+    group: int
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:

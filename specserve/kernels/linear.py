@@ -160,11 +160,11 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     rows = x.numel() // x.shape[-1]
     quant = isinstance(w, QuantWeight)
     if quant and rows <= MAX_SLICED_ROWS and triton_enabled(x):
-        from specserve.kernels import linear_cuda
+        from specserve.kernels import quant_cuda
 
-        kernel = linear_cuda.usable(x, w, bias, out_dtype or x.dtype)
+        kernel = quant_cuda.usable(x, w, bias, out_dtype or x.dtype)
         if kernel:
-            return linear_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
+            return quant_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 
@@ -183,9 +183,9 @@ def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
     rows = x.numel() // x.shape[-1]
     if not (isinstance(w, QuantWeight) and rows <= MAX_SLICED_ROWS and triton_enabled(x)):
         return False
-    from specserve.kernels import linear_cuda
+    from specserve.kernels import quant_cuda
 
-    return linear_cuda.usable(x, w, None, x.dtype) == "gemv_mma" and (not norm_input or linear_cuda.norm_fusable(w))
+    return quant_cuda.usable(x, w, None, x.dtype) == "gemv_mma" and (not norm_input or quant_cuda.norm_fusable(w))
 
 
 def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
@@ -195,9 +195,9 @@ def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     eps), folded into its input, and its result added to `add_to` in place (then returned), or, for a
     [q | k | v] matrix, rotated (RoPE) with k and v written to the KV cache and q returned. Same
     roundings as rms_norm, linear, a bf16 addition, rope_and_cache."""
-    from specserve.kernels import linear_cuda
+    from specserve.kernels import quant_cuda
 
-    return linear_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to,
+    return quant_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to,
                             rope=rope)
 
 
@@ -208,10 +208,10 @@ def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tu
     in linear_fused; elsewhere SwiGLU runs in down's input (norm and add_to are then not allowed).
     Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values."""
     if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
-        from specserve.kernels import linear_cuda
+        from specserve.kernels import quant_cuda
 
-        act = linear_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
-        return linear_cuda.gemv(act, w_down, None, False, x.dtype, kernel="gemv_mma", add_to=add_to)
+        act = quant_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
+        return quant_cuda.gemv(act, w_down, None, False, x.dtype, kernel="gemv_mma", add_to=add_to)
     assert norm is None and add_to is None, "RMSNorm and the residual add fold in only on the tensor-core kernel"
     return linear(linear(x, w_gate_up), w_down, silu_input=True)
 

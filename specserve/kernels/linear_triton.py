@@ -1,11 +1,11 @@
 """Triton matrix-vector kernels for 1..16 rows: bit-packed quantized weights, or float weights.
 
-Quantized (the fallback where the CUDA C kernel of linear_cuda.py cannot be built, and what the
+Quantized (the fallback where the CUDA C kernels of quant_cuda.py cannot be built, and what the
 CPU tests run under Triton's interpreter): `_gemv_quant_row_kernel` takes one row on CUDA cores,
 summing sum((1 + u / 2^bits) x) per group with the bit fields read as floats by an exponent
 trick; `_gemv_quant_dot_kernel` takes 1..16 rows on tensor cores, each bit field dequantized to
-the activation dtype for its own dot. On an H200 both ran at a third of the bandwidth or less
-(benchmarks/results/kernel_notes.md, v4), hence the CUDA C kernel.
+the activation dtype for its own dot. Both reach a small fraction of the memory bandwidth the
+CUDA C kernels reach, hence those.
 
 Float weights (`_gemv_float_kernel`): one row on CUDA cores with few columns per program so
 every SM has work, wide matrices and more rows through a tensor-core dot; fixed blocks per
@@ -175,7 +175,7 @@ def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, i
 
 def pick_quant_blocks(n_rows: int, n_out: int, k: int, bits: int) -> tuple[str, dict[str, int]]:
     """Which quantized kernel ("row": CUDA cores, one row; "dot": tensor cores) and its fixed blocks
-    (measured once on an H200: kernel_notes.md v4; the CUDA C kernel is what runs there)."""
+    (from one H200 sweep; the CUDA C kernels are what run there)."""
     if INTERPRET:  # every program runs in Python: few, small ones
         return ("row", {"BLOCK_N": 4, "BLOCK_K": 64}) if n_rows == 1 else ("dot", {"BLOCK_N": 16, "BLOCK_K": 128})
     if n_rows == 1:

@@ -115,6 +115,12 @@ def _is_matrix(name: str) -> bool:
     return name == "output.weight" or name.endswith(MATRIX_SUFFIXES)
 
 
+def _load_packed(gguf: GGUFFile, name: str, device: torch.device | str) -> QuantWeight | None:
+    """A block-quantized matrix of the file packed for the quantized kernels; None for other types."""
+    ints = gguf.load_quant(name, device)
+    return None if ints is None else QuantWeight.from_ints(ints.q, ints.scale, ints.mins, ints.group)
+
+
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str, progress: bool = True, weight_format: str = "float") -> ModelWeights:
     """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS)."""
@@ -128,7 +134,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     with tqdm(total=len(names) + tied_output, desc="load", unit="tensor", disable=not progress,
               leave=False) as bar, ThreadPoolExecutor(workers) as pool:
         def load(name: str) -> Weight:
-            quant = gguf.load_quant(name, device) if weight_format == "gguf" and _is_matrix(name) else None
+            quant = _load_packed(gguf, name, device) if weight_format == "gguf" and _is_matrix(name) else None
             if quant is None:
                 fp32 = weight_format == "q8" and _is_matrix(name)  # quantized from exact values below
                 quant = gguf.load_tensor(name, torch.float32 if fp32 else dtype, device)
@@ -137,7 +143,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
 
         t = dict(zip(names, pool.map(load, names), strict=True))
         if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
-            t["output.weight"] = gguf.load_quant("token_embd.weight", device) or t["token_embd.weight"]
+            t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
             bar.update(1)
 
     def opt(name: str) -> Weight | None:
