@@ -15,10 +15,12 @@ import platform
 
 import torch
 from bench_output import output_path, write_json
+from random_model import StandInTokenizer
 
 from specserve import catalog
-from specserve.bench import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth
+from specserve.cli.measure import bench_decode, bench_prefill, bytes_per_token, copy_bandwidth
 from specserve.engine.local_runner import LocalRunner, default_device, default_dtype
+from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.random_init import SHAPES, random_weights
 from specserve.model.weights import WEIGHT_FORMATS, resolve_weight_format
 
@@ -49,7 +51,8 @@ def main() -> None:
                              cuda_graphs=not args.no_graphs, weight_format=args.weight_format)
     dev = runner.device
     pp = bench_prefill(runner, args.pp, args.reps)
-    tg = bench_decode(runner, args.tg)
+    tokenizer = StandInTokenizer() if runner.gguf is None else Tokenizer.from_gguf(runner.gguf)
+    tg = bench_decode(runner, tokenizer, args.tg)
     bpt = bytes_per_token(runner)
     result: dict[str, object] = {
         "model": args.model, "weights": "random" if args.random_weights else "gguf",

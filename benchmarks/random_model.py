@@ -2,8 +2,8 @@
 
 Speed does not depend on weight values, so kernel work needs no model file: `make_runner("gguf_like")`
 quantizes random weights in the layout of the real Q4_K_M file, and `step_gpu_us` times graph replays.
-Shared by kernel_bench.py and ab_trees.py; it uses only the runner's public pieces so that ab_trees.py
-can time another package tree with it.
+Shared by kernel_bench.py, engine_bench.py and ab_trees.py; it uses only the runner's public pieces so
+that ab_trees.py can time another package tree with it.
 """
 
 from __future__ import annotations
@@ -88,12 +88,13 @@ def make_runner(fmt: str, n_ctx: int = 1024) -> LocalRunner:
 
 
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
-    """The captured graph for `rows` rows, its inputs set to rows at positions base.. of sequence 0."""
-    step = runner.graphs.graphs[(rows, False)]
+    """The captured graph for `rows` rows (parity 0), its inputs set to rows at positions base.. of sequence 0."""
+    step = runner.graphs.graphs[(rows, False, 0)]
     host = step.inputs.write()  # pinned: the graph's first node uploads them
     host[0] = [7 * i + 3 for i in range(rows)]
     host[1] = range(base, base + rows)
     host[2] = 0
+    host[3] = -1  # no row takes its token from the step before
     return step.graph
 
 
@@ -113,6 +114,20 @@ def gguf_model_step_us(rows: tuple[int, ...] = STEP_ROWS) -> dict[int, float]:
     runner = make_runner("gguf_like")
     runner.warmup(17, prompt_rows=0)
     return {r: round(us, 1) for r, us in step_gpu_us(runner, rows).items()}
+
+
+class StandInTokenizer:
+    """What the scheduler reads of a tokenizer, for runners without a vocabulary (random weights): every
+    token is one character of text and none is special or ends a generation."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def is_eog(self, token_id: int) -> bool:
+        return False
 
 
 def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -> float:
