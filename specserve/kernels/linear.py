@@ -15,7 +15,7 @@ of k and the kernels read activations in contiguous runs.
 The Triton kernels cover 1..16 rows (decode and verify steps) and can fuse SwiGLU into their
 input and the bias into their output. More rows (prefill) dequantize to the activation dtype
 and use cuBLAS, where arithmetic, not bytes, dominates. Triton's float kernel beats cuBLAS for
-one row on every projection of qwen2.5-coder-1.5b (kernel_notes.md), so one-row float products
+one row on every projection of qwen2.5-coder-1.5b, so one-row float products
 use it; cuBLAS keeps every multi-row float product.
 """
 

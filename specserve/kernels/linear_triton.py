@@ -158,7 +158,7 @@ def pick_float_blocks(n_rows: int, n_out: int, k: int) -> tuple[int, dict[str, i
     """BLOCK_M and fixed blocks for the float kernel. Fixed, not timed at start-up: timing-based
     tuning picked different blocks on different runs (wo: 1x2048 or 4x2048), hence other
     summation orders, and greedy text could change between restarts at bf16 near-ties. These
-    are configs that tuning chose on an H200 (kernel_bench_v2.json)."""
+    are configs that a tuning run chose on an H200."""
     cuda_cores = n_rows == 1 and n_out < 8192
     if INTERPRET:  # the interpreter runs every program in Python: few, small ones
         return (1 if cuda_cores else 16), {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}

@@ -30,12 +30,11 @@
                                  // scattered stores of staging spread over all banks
 #define NB (M > 8 ? 2 : 1)       // blocks of 8 activation rows
 #define SG (16 / WPG)            // groups per step: a lane loads 16 bytes of a row per step
-// staging: activation rows per pass (their loads in flight together). Registers! Eight rows of loads made
-// gate_up (RMSNorm, 560 blocks held to one wave) spill: four per pass took its 8-row call from 18.8 to
-// 15.2 us (v8); under a bound of 64 registers a thread (the output matrix) two per pass: four made its
-// 5-6-row calls ~11 us slower (v11); unbounded (128 a thread: wqkv) and without SiLU staging, all of up
-// to 8 rows in one pass. A thread stages one unit of 8 activations per row and pass: two (the rule before
-// v11) cost 2- and 3-row steps 0.06 and 0.25 ms of a model step
+// staging: activation rows per pass (their loads in flight together), as many as the registers take without
+// spilling: two under a bound of 64 registers a thread (the output matrix); four past 8 rows, with SiLU
+// staging, or with RMSNorm under a bound (eight rows of loads made gate_up, held to one wave, spill); else
+// all of up to 8 (unbounded, 128 a thread: wqkv). A thread stages one unit of 8 activations per row and
+// pass: two units made small steps slower
 #define REGS (65536 / (32 * WARPS * MINB))
 #define MU (REGS <= 64 ? (M < 2 ? M : 2) : M > 8 || SILU || (REGS < 128 && NORM) ? (M < 4 ? M : 4) : (M < 8 ? M : 8))
 
