@@ -15,27 +15,26 @@ import argparse
 
 from bench_output import output_path, write_json
 
-from specserve.bench import greedy_decode_rate
-from specserve.session import GenerationSession
+from specserve.cli.measure import greedy_decode_rate
+from specserve.cli.session import GenerationSession
+from specserve.cli.workloads import load_workloads, workload_prompts
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.workloads import load_workloads, workload_prompts
 
 TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix", "draft"]
 
 
 def run_type(session: GenerationSession, prompts: list[list[int]], spec_type: str, base: SpecParams,
              n_predict: int) -> dict[str, object]:
-    spec = base.with_overrides(type="none" if spec_type == "draft" else spec_type)
+    spec = None if spec_type == "none" else base.with_overrides(type="none" if spec_type == "draft" else spec_type)
     draft = session.draft_runner if spec_type == "draft" else None
-    factory = (lambda: None) if spec_type == "none" else (lambda: build_chain(spec, draft))
-    rate, totals, outputs = greedy_decode_rate(session.runner, prompts, n_predict, session.tokenizer.is_eog,
-                                               factory, n_draft_max=spec.n_max)
+    rate, totals, outputs = greedy_decode_rate(session.runner, session.tokenizer, prompts, n_predict, spec=spec,
+                                               chain_factory=lambda spec, slot: build_chain(spec, draft, seq=slot))
     return {
         "type": spec_type,
         "generated": totals.generated,
-        "target_forwards": totals.target_forwards,
-        "tokens_per_forward": round(totals.generated / max(totals.target_forwards, 1), 3),
+        "target_forwards": totals.steps,
+        "tokens_per_forward": round(totals.tokens_per_step, 3),
         "draft_tokens": totals.draft_tokens,
         "draft_accepted": totals.draft_accepted,
         "acceptance_rate": round(totals.draft_accepted / totals.draft_tokens, 4) if totals.draft_tokens else None,
