@@ -17,12 +17,11 @@ import torch
 from bench_output import output_path, write_json
 
 from specserve import catalog
+from specserve.cli.workloads import load_workloads, workload_prompts
 from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
-from specserve.engine.sampling import Sampler, SamplingParams
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import Batch
-from specserve.workloads import load_workloads, workload_prompts
 
 
 def scored_logits(runner: LocalRunner, tokens: list[int]) -> torch.Tensor:
@@ -46,7 +45,7 @@ def main() -> None:
     tok = Tokenizer.from_gguf(ref.gguf)
     sequences, n_prompt = [], []
     for prompt in (p for category in load_workloads() for p in workload_prompts(tok, category)[: args.prompts]):
-        out = list(generate(ref, prompt, args.n, Sampler(SamplingParams(temperature=0)), is_eog=tok.is_eog))
+        out = generate(ref, tok, prompt, args.n).tokens  # greedy
         sequences.append(prompt + out)
         n_prompt.append(len(prompt))
     ref_logits = [scored_logits(ref, s) for s in sequences]
