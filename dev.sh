@@ -15,8 +15,7 @@ cmd="${1:-serve}"
 shift || true
 case "$cmd" in
     serve)
-        # Passive OpenMP waits: torch's spinning CPU threads would starve the HTTP threads.
-        OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" exec "$VENV/bin/specserve" serve "$@"
+        exec "$VENV/bin/specserve" serve "$@"
         ;;
     test)
         "$VENV/bin/specserve" models pull smollm2-135m

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from bench_output import output_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = ROOT.parent / "shared" / "workloads" / "prompts.json"
@@ -40,6 +41,7 @@ class RequestStats:
     ttft: float = 0.0  # seconds to the first generated token
     gaps: list[float] = field(default_factory=list)  # per-token inter-token latencies
     tokens: int = 0
+    decode_s: float = 0.0  # from the first generated token to the last
     draft_n: int = 0
     draft_accepted: int = 0
 
@@ -52,6 +54,7 @@ class LevelResult:
     tokens: int
     wall_s: float
     tokens_per_s: float
+    decode_tokens_per_s: float  # one request's rate after its first token, the median (what tg128 measures)
     ttft_p50_ms: float
     ttft_p99_ms: float
     itl_p50_ms: float
@@ -93,6 +96,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mo
                     stats.gaps.extend([(now - last) / n] * n)
                 stats.tokens += n
                 last = now
+                stats.decode_s = now - t0 - stats.ttft
             if event.get("stop"):
                 timings = event.get("timings", {})
                 stats.draft_n = timings.get("draft_n", 0)
@@ -116,8 +120,11 @@ async def run_level(url: str, headers: dict[str, str], prompts: list[str], clien
     ttft = np.array([s.ttft for s in all_stats]) * 1000
     gaps = np.array([g for s in all_stats for g in s.gaps] or [0.0]) * 1000
     tokens = sum(s.tokens for s in all_stats)
+    per_request = [(s.tokens - 1) / s.decode_s for s in all_stats if s.decode_s > 0]
+    decode_rate = float(np.median(per_request)) if per_request else 0.0
     return LevelResult(
         mode=mode, clients=clients, requests=len(all_stats), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+        decode_tokens_per_s=decode_rate,
         ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
         itl_p50_ms=float(np.percentile(gaps, 50)), itl_p99_ms=float(np.percentile(gaps, 99)),
         draft_n=sum(s.draft_n for s in all_stats), draft_accepted=sum(s.draft_accepted for s in all_stats),
@@ -165,13 +172,15 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
 
 
 def print_table(results: list[LevelResult]) -> None:
-    head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+    head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} "
             f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12}")
     print(head)
     print("-" * len(head))
     for r in results:
         acc = f"{r.draft_accepted}/{r.draft_n}" if r.draft_n else "-"
         print(f"{r.mode:<14} {r.clients:>7} {r.requests:>5} {r.tokens:>7} {r.tokens_per_s:>8.1f} "
+              f"{r.decode_tokens_per_s:>8.1f} "
               f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
               f"{acc:>12}")
 
@@ -221,7 +230,7 @@ def main() -> int:
     print_table(results)
     model = Path(props.get("model_alias") or props.get("model_path") or args.model).name.removesuffix(".gguf")
     device = args.device or ("remote" if args.url else "default")
-    out = args.out or ROOT / "benchmarks" / "results" / f"serve_{model}_{device}.json"
+    out = output_path(str(args.out) if args.out else None, f"serve_{model}_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": model, "url": args.url, "slots": props.get("total_slots"), "n_predict": args.n_predict,

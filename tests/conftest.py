@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (specserve/__init__.py says why)
 
-from specserve import catalog
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specserve import catalog  # noqa: E402
 
 
 def model_path(name: str) -> Path:

@@ -7,12 +7,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from specserve.cli import main
+
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "specserve.cli", "bench", *args], capture_output=True, text=True,
                           timeout=600)
 
 
+def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The cheap equivalent of the end-to-end run below: one speculative type, one pass."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
+                 "--spec-types", "ngram-suffix", "--repeat", "1", "-o", str(out)]) == 0
+    assert "tg4 code-edit ngram-suffix" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["pp16"] > 0 and data["tg4"] > 0 and data["code_edit_none"] > 0
+    spec = data["code_edit_spec"]["ngram-suffix"]
+    assert spec["identical"] is True and spec["tokens_per_s"] > 0
+    assert data["code_edit_spec"]["ngram-suffix (no overlap)"]["identical"] is True
+
+
+@pytest.mark.slow
 def test_bench_writes_table_and_json(smollm_path: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = run_bench("-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",

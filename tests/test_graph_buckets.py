@@ -37,8 +37,8 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
     """Prompt chunks replayed from the one-row graphs give the eager pass's logits and KV entries."""
     import dataclasses
 
-    from specserve.model.batch import Batch
     from specserve.engine.local_runner import LocalRunner
+    from specserve.model.batch import Batch
     from specserve.model.random_init import SHAPES, random_weights
 
     cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
@@ -64,36 +64,46 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
 @pytest.mark.parametrize("weight_format", ["float", "gguf"])
-def test_step_graphs_take_each_rows_argmax(weight_format: str) -> None:
-    """step_argmax() of steps of 1..40 rows (graphs with the argmax up to ARGMAX_ROWS, past it the
-    logits' argmax) gives the argmax of the eager pass's logits, and the same KV entries."""
+def test_graph_steps_feed_tokens_like_the_eager_path(weight_format: str) -> None:
+    """Steps of 1..40 rows, each followed by steps whose first token is fed from the one before on the
+    device (both parities, two sequences, some rows wanting no logits), give through graphs the tokens and
+    KV entries of the eager path."""
     import dataclasses
 
-    from specserve.model.batch import Batch
-    from specserve.engine.cuda_graphs import ARGMAX_ROWS
     from specserve.engine.local_runner import LocalRunner
+    from specserve.model.batch import Batch
     from specserve.model.random_init import SHAPES, random_weights
 
     cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
                               head_dim=64, ffn=512, vocab_size=300)
     runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=7),
-                                        n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
+                                        n_seqs=2, n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
                for graphs in (True, False)]
     prompt = [(13 * i + 2) % cfg.vocab_size for i in range(100)]
-    for rows in (1, 5, 16, 17, ARGMAX_ROWS, 40):
+    for rows in (1, 5, 16, 17, 32, 40):
         picked = []
         for runner in runners:
-            runner.kv_truncate(0, 0)
-            b = Batch()
-            b.add_sequence(prompt, 0, 0, "none")
-            runner.forward(b)
-            step_tokens = [(7 * i + 1) % cfg.vocab_size for i in range(rows)]
-            picked.append(runner.step_argmax(0, step_tokens, len(prompt)).read())
-            assert runner.seq_len[0] == len(prompt) + rows
-        step = Batch()
-        step.add_sequence(step_tokens, len(prompt), 0, "all")
-        eager_logits = runners[1].forward(step)  # the same rows again, eagerly
-        assert picked[0] == picked[1] == eager_logits.argmax(dim=-1).tolist()
-        assert (bucket_for(rows, 256), False) in runners[0].graphs.graphs and len(picked[0]) == rows
-        torch.testing.assert_close(runners[0].kv[:, :, 0, :, :100 + rows], runners[1].kv[:, :, 0, :, :100 + rows],
+            out: list[list[int]] = []
+            for seq in (0, 1):
+                runner.kv_truncate(seq, 0)
+                b = Batch()
+                b.add_sequence(prompt, 0, seq, "none")
+                runner.forward(b)
+            first = Batch()
+            first.add_sequence([(7 * i + 1) % cfg.vocab_size for i in range(rows)], len(prompt), 0, "all")
+            first.add_sequence([5, 6], len(prompt), 1, "none")
+            steps = [runner.launch(first)]
+            position = len(prompt) + rows
+            for k in range(5):  # seq 0 fed from the step before; seq 1 from the host, its rows wanting logits or not
+                b = Batch()
+                b.add(0, position + k, 0, logits=True)
+                b.add_sequence([9 + k, 10 + k], len(prompt) + 2 + 2 * k, 1, "all" if k % 2 else "none")
+                fed_row = rows - 1 if k == 0 else 0
+                steps.append(runner.launch(b, fed=[fed_row, -1, -1]))
+            out = [s.tokens() for s in steps]
+            picked.append(out)
+            assert runner.seq_len[0] == position + 5
+        assert picked[0] == picked[1]
+        assert len(picked[0][0]) == rows and all(len(t) in (1, 3) for t in picked[0][1:])
+        torch.testing.assert_close(runners[0].kv[:, :, :2, :, :position + 5], runners[1].kv[:, :, :2, :, :position + 5],
                                    rtol=0, atol=0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.model.batch import Batch
-from specserve.engine.generate import prefill
 from specserve.errors import SpecserveError
+from specserve.model.batch import Batch
+from tests.helpers import prefill
 
 SEQS = [
     [1, 504, 3458, 314, 4234, 28, 9175, 30],
@@ -86,9 +86,10 @@ def test_kv_copy(smollm_runner) -> None:
     assert torch.allclose(smollm_runner.forward(batch)[0], ref, rtol=1e-4, atol=1e-4)
 
 
-def test_step_argmax_is_the_argmax_of_forward_and_checks_its_input(smollm_runner) -> None:
-    """step_argmax() (greedy verification) picks what forward()'s logits pick, and a bad step is a
-    SpecserveError that leaves the cache as it was."""
+def test_launch_argmax_and_fed_tokens_and_checks(smollm_runner) -> None:
+    """launch() gives each row's argmax as forward()'s logits pick it; a row fed from the previous step's
+    argmax computes what the same token given by the host computes; a bad step is a SpecserveError that
+    leaves the cache as it was."""
     prompt = [1, 5, 9, 14, 3, 7]
     smollm_runner.kv_truncate(0, 0)
     b = Batch()
@@ -96,13 +97,26 @@ def test_step_argmax_is_the_argmax_of_forward_and_checks_its_input(smollm_runner
     smollm_runner.forward(b)
     step = Batch()
     step.add_sequence([4, 8, 15], len(prompt), 0, "all")
-    expected = smollm_runner.forward(step).argmax(dim=-1).tolist()
+    logits = smollm_runner.forward(step)
+    expected = logits.argmax(dim=-1).tolist()
+    host_next = Batch()
+    host_next.add(expected[-1], len(prompt) + 3, 0, logits=True)
+    reference = smollm_runner.forward(host_next)[0].clone()
     smollm_runner.kv_truncate(0, len(prompt))
-    assert smollm_runner.step_argmax(0, [4, 8, 15], len(prompt)).read() == expected
-    assert smollm_runner.seq_len[0] == len(prompt) + 3
+    assert smollm_runner.launch(step).tokens() == expected
+    fed_next = Batch()
+    fed_next.add(0, len(prompt) + 3, 0, logits=True)  # token 0 is a placeholder: row 2's argmax is fed
+    assert torch.equal(smollm_runner.launch(fed_next, fed=[2]).logits()[0], reference)
+    smollm_runner.kv_truncate(0, len(prompt) + 3)
     for seq, tokens, position in ((0, [4], len(prompt) + 5), (0, [smollm_runner.vocab_size], 2), (0, [-1], 2),
-                                  (smollm_runner.n_seqs, [4], 0), (0, [], 2),
+                                  (smollm_runner.n_seqs, [4], 0),
                                   (0, [4] * (smollm_runner.n_ctx - len(prompt) - 2), len(prompt) + 3)):  # past n_ctx
+        bad = Batch()
+        bad.add_sequence(tokens, position, seq, "all")
         with pytest.raises(SpecserveError):
-            smollm_runner.step_argmax(seq, tokens, position)
+            smollm_runner.launch(bad)
         assert smollm_runner.seq_len[0] == len(prompt) + 3
+    with pytest.raises(SpecserveError):
+        smollm_runner.launch(Batch())
+    with pytest.raises(SpecserveError):  # fed rows must name rows of the step before
+        smollm_runner.launch(host_next, fed=[5])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve import lookup_cli
+from specserve.cli import lookup as lookup_cli
 from specserve.errors import SpecserveError
 from specserve.speculative.lookup import build_static_cache, lookup_stats, merge_cache_files
 from specserve.speculative.ngram_cache import NgramCache, load_cache, save_cache

@@ -7,11 +7,12 @@ import gc
 import pytest
 import torch
 
-from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
-from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.engine.sampling import SamplingParams
 from specserve.gguf.tokenizer import Tokenizer
 from tests.conftest import load_hf_model, model_path
+from tests.helpers import prefill
 
 PROMPTS = [
     "The capital of France is",
@@ -26,15 +27,12 @@ def rel_max_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def last_logits(runner: LocalRunner, tokens: list[int]) -> torch.Tensor:
-    from specserve.engine.generate import prefill
-
     runner.kv_truncate(0, 0)
     return prefill(runner, 0, tokens, n_batch=512)
 
 
-def greedy(runner: LocalRunner, tokens: list[int], n: int, is_eog) -> list[int]:
-    stats = GenerationStats()
-    return list(generate(runner, tokens, n, Sampler(SamplingParams(temperature=0.0)), is_eog=is_eog, stats=stats))
+def greedy(runner: LocalRunner, tokenizer, tokens: list[int], n: int) -> list[int]:
+    return generate(runner, tokenizer, tokens, n, SamplingParams(temperature=0.0)).tokens
 
 
 def hf_greedy(hf, tokens: list[int], n: int, eog: frozenset[int]) -> list[int]:
@@ -50,7 +48,7 @@ def check_against_hf(runner: LocalRunner, hf, tokenizer: Tokenizer, n_tokens: in
             ref = hf(torch.tensor([tokens])).logits[0, -1].float()
         err = rel_max_err(last_logits(runner, tokens), ref)
         assert err < 1e-3, f"{prompt!r}: relative max error {err}"
-        ours = greedy(runner, tokens, n_tokens, tokenizer.is_eog)
+        ours = greedy(runner, tokenizer, tokens, n_tokens)
         with torch.no_grad():
             theirs = hf_greedy(hf, tokens, n_tokens, tokenizer.eog_ids)
         assert ours == theirs, f"{prompt!r}: greedy text differs\nours:   {ours}\ntheirs: {theirs}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
@@ -16,6 +17,7 @@ from specserve.engine.text_stream import TextStream, partial_stop_len
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
+from specserve.speculative.factory import build_chain
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SLOTS = 2
@@ -33,7 +35,8 @@ def tokenizer(target: LocalRunner) -> Tokenizer:
 
 @pytest.fixture
 def scheduler(target: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
-    sched = Scheduler(target, tokenizer, n_batch=16)  # small n_batch: prompts are read in chunks
+    # small n_batch: prompts are read in chunks
+    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
     sched.start()
     yield sched
     sched.shutdown()
@@ -63,7 +66,7 @@ def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: T
                                                 smollm_path: Path) -> None:
     # The target as its own draft model: every drafted token that clears p_min is accepted.
     draft = LocalRunner(smollm_path, n_seqs=N_SLOTS, n_ctx=256, device="cpu", progress=False)
-    sched = Scheduler(target, tokenizer, draft_runner=draft, n_batch=16)
+    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot))
     sched.start()
     try:
         plain = SpecParams(n_max=0)
@@ -102,16 +105,16 @@ def test_seeded_sampling_independent_of_batching_and_drafts(scheduler: Scheduler
 def test_failed_step_fails_its_tasks_and_keeps_serving(scheduler: Scheduler, tokenizer: Tokenizer,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     runner = scheduler.runner
-    real_forward = runner.forward
+    real_launch = runner.launch
     calls = {"n": 0}
 
-    def flaky(batch):  # type: ignore[no-untyped-def]
+    def flaky(batch, fed=None):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device error")
-        return real_forward(batch)
+        return real_launch(batch, fed)
 
-    monkeypatch.setattr(runner, "forward", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     outcomes = [wait(submit(scheduler, tokenizer, p)[1])[1] for p in PROMPTS[:1]]
     assert isinstance(outcomes[0], Failure) and "simulated device error" in outcomes[0].message
     text, result = wait(submit(scheduler, tokenizer, PROMPTS[0])[1])
@@ -212,3 +215,34 @@ def test_speculators_prepare_while_the_step_runs(scheduler: Scheduler, tokenizer
     assert isinstance(failed, Failure) and "simulated index error" in failed.message
     text, again = wait(submit(scheduler, tokenizer, prompt, n_predict=24)[1])
     assert isinstance(again, Result) and text == plain_text
+
+
+def test_greedy_text_is_the_same_with_and_without_overlap_and_among_others(target: LocalRunner,
+                                                                            tokenizer: Tokenizer) -> None:
+    """Queuing step N + 1 before step N is read (fed tokens, drafts riding behind the token in flight) changes
+    nothing: each prompt's greedy text, alone or beside another, speculating or not, is the reference's
+    (every step settled before the next, one request at a time)."""
+    factory = lambda s, slot: build_chain(s, None, seq=slot)  # noqa: E731
+    reference = Scheduler(target, tokenizer, n_batch=16, overlap=False, chain_factory=factory)
+    prompts = [*PROMPTS, "def add(a, b):\n    return a + b\n\ndef add(a, b):"]
+    expected = [generate(target, tokenizer, tokenizer.encode(p), 20, scheduler=reference).tokens for p in prompts]
+    overlapped = Scheduler(target, tokenizer, n_batch=16, chain_factory=factory)
+    overlapped.start()
+    try:
+        for spec in (SpecParams(n_max=0), SpecParams(type="ngram-suffix"),
+                     SpecParams(type="ngram-simple", ngram_size_n=2, ngram_size_m=6)):
+            events: list[queue.Queue] = []
+            for p in prompts:
+                q: queue.Queue = queue.Queue()
+                overlapped.submit(Task(tokenizer.encode(p), GREEDY, spec, n_predict=20), q.put)
+                events.append(q)
+            tokens = []
+            for q in events:
+                got: list[int] = []
+                while not isinstance(event := q.get(timeout=120), Result | Failure):
+                    got.extend(event.tokens)
+                assert isinstance(event, Result)
+                tokens.append(got)
+            assert tokens == expected, spec
+    finally:
+        overlapped.shutdown()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.generate import GenerationStats, generate
+from specserve.engine.generate import Generation, generate
 from specserve.engine.local_runner import LocalRunner
-from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.scheduler import Scheduler
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
@@ -61,48 +62,48 @@ def draft_runner(smollm_path) -> LocalRunner:
 
 
 def run(runner: LocalRunner, prompt: list[int], tokenizer: Tokenizer, spec: SpecParams | None,
-        sampling: SamplingParams, draft: LocalRunner | None = None) -> GenerationStats:
-    chain = build_chain(spec, draft) if spec is not None else None
-    stats = GenerationStats()
-    n_max = spec.n_max if spec else 0
-    list(generate(runner, prompt, N_PREDICT, Sampler(sampling), is_eog=tokenizer.is_eog, speculator=chain,
-                  n_draft_max=n_max, stats=stats))
-    return stats
+        sampling: SamplingParams, draft: LocalRunner | None = None, overlap: bool = True) -> Generation:
+    """Through the scheduler, as the server runs it (overlap=False: every step settled before the next)."""
+    return generate(runner, tokenizer, prompt, N_PREDICT, sampling, spec, overlap=overlap,
+                    chain_factory=lambda s, slot: build_chain(s, draft, seq=slot))
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(smollm_runner, code_edit_prompt, tokenizer) -> GenerationStats:
+def plain_greedy(smollm_runner, code_edit_prompt, tokenizer) -> Generation:
     return run(smollm_runner, code_edit_prompt, tokenizer, None, SamplingParams(temperature=0))
 
 
 @pytest.mark.parametrize("name", list(NGRAM_TYPES))
 def test_ngram_types_identical_and_fewer_passes(name, smollm_runner, code_edit_prompt, tokenizer,
                                                  plain_greedy) -> None:
-    stats = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES[name], SamplingParams(temperature=0))
-    assert stats.tokens == plain_greedy.tokens
-    assert stats.draft_accepted > 0, f"{name} accepted no drafted token"
-    assert stats.target_forwards < plain_greedy.target_forwards
-    assert stats.target_forwards + stats.draft_accepted == plain_greedy.target_forwards
+    for overlap in (True, False):
+        gen = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES[name], SamplingParams(temperature=0),
+                  overlap=overlap)
+        assert gen.tokens == plain_greedy.tokens
+        assert gen.result.draft_n_accepted > 0, f"{name} accepted no drafted token"
+        assert gen.result.n_steps < plain_greedy.result.n_steps
+        assert gen.result.n_steps + gen.result.draft_n_accepted == plain_greedy.result.n_steps
 
 
 def test_draft_model_identical(smollm_runner, draft_runner, code_edit_prompt, tokenizer, plain_greedy) -> None:
     """The model as its own draft: every confident draft token is the target's own choice."""
     spec = SpecParams(type="none", n_max=8, p_min=0.5)
-    stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0), draft_runner)
-    assert stats.tokens == plain_greedy.tokens
-    assert stats.draft_tokens > 0
-    assert stats.draft_accepted >= 0.9 * stats.draft_tokens
-    assert stats.target_forwards < plain_greedy.target_forwards
+    gen = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0), draft_runner)
+    assert gen.tokens == plain_greedy.tokens
+    assert gen.result.draft_n > 0
+    assert gen.result.draft_n_accepted >= 0.9 * gen.result.draft_n
+    assert gen.result.n_steps < plain_greedy.result.n_steps
 
 
 def test_ngram_then_draft_chain(smollm_runner, draft_runner, code_edit_prompt, tokenizer, plain_greedy) -> None:
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8, n_max=8)
-    chain = build_chain(spec, draft_runner)
+    scheduler = Scheduler(smollm_runner, tokenizer,
+                          chain_factory=lambda s, slot: build_chain(s, draft_runner, seq=slot))
+    gen = generate(smollm_runner, tokenizer, code_edit_prompt, N_PREDICT, SamplingParams(temperature=0), spec,
+                   scheduler=scheduler)
+    assert gen.tokens == plain_greedy.tokens
+    chain = scheduler.slots[gen.result.slot].chain
     assert chain is not None and [m.name for m in chain.members] == ["ngram_simple", "draft"]
-    stats = GenerationStats()
-    tokens = list(generate(smollm_runner, code_edit_prompt, N_PREDICT, Sampler(SamplingParams(temperature=0)),
-                           is_eog=tokenizer.is_eog, speculator=chain, n_draft_max=8, stats=stats))
-    assert tokens == plain_greedy.tokens
     ngram, draft = chain.members
     assert ngram.stats.acc_tokens > 0 and draft.stats.calls > 0
     # The draft model runs only where the n-gram lookup found nothing.
@@ -113,7 +114,7 @@ def test_seeded_sampling_identical_with_speculation(smollm_runner, code_edit_pro
     sampling = SamplingParams(temperature=0.8, seed=1234)
     plain = run(smollm_runner, code_edit_prompt, tokenizer, None, sampling)
     spec = run(smollm_runner, code_edit_prompt, tokenizer, NGRAM_TYPES["ngram-simple"], sampling)
-    assert spec.draft_accepted > 0  # drafts were really accepted, not only verified away
+    assert spec.result.draft_n_accepted > 0  # drafts were really accepted, not only verified away
     assert spec.tokens == plain.tokens
 
 
@@ -125,15 +126,15 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     monkeypatch.setattr(smollm_runner, "max_step_rows", 4)
     assert smollm_runner.draft_limit(16) == 3 and smollm_runner.draft_limit(2) == 2
     step_rows = []
-    forward = LocalRunner.forward  # what step_argmax() runs on the CPU too
+    launch = LocalRunner.launch
 
-    def counting_forward(self, batch):
+    def counting_launch(self, batch, fed=None):
         step_rows.append(len(batch))
-        return forward(self, batch)
+        return launch(self, batch, fed)
 
-    monkeypatch.setattr(LocalRunner, "forward", counting_forward)
+    monkeypatch.setattr(LocalRunner, "launch", counting_launch)
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)
-    stats = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
-    assert stats.tokens == plain_greedy.tokens
-    verify_rows = step_rows[1:]  # after the prompt's one chunk (plain steps run as a GreedyChain)
-    assert max(verify_rows) == 4 and stats.draft_accepted > 0  # drafts of 8 cut to 3, never past
+    gen = run(smollm_runner, code_edit_prompt, tokenizer, spec, SamplingParams(temperature=0))
+    assert gen.tokens == plain_greedy.tokens
+    verify_rows = step_rows[1:]  # after the prompt's one chunk
+    assert max(verify_rows) == 4 and gen.result.draft_n_accepted > 0  # drafts of 8 cut to 3, never past

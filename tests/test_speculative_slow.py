@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.generate import GenerationStats, generate
+from specserve.cli.workloads import load_workloads
+from specserve.engine.generate import Generation, generate
 from specserve.engine.local_runner import LocalRunner
-from specserve.engine.sampling import Sampler, SamplingParams
+from specserve.engine.sampling import SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.speculative.base import SpecParams
 from specserve.gguf.vocab_check import check_vocab_compatible
+from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
-from specserve.cli.workloads import load_workloads
 from tests.conftest import model_path
 
 pytestmark = pytest.mark.slow
@@ -33,27 +33,26 @@ def pair() -> tuple[LocalRunner, LocalRunner, Tokenizer, list[int]]:
     return target, draft, tok, prompt
 
 
-def run(pair, spec_type: str | None) -> GenerationStats:
+def run(pair, spec_type: str | None) -> Generation:
     target, draft, tok, prompt = pair
-    chain = None
+    spec = None
     if spec_type is not None:
-        params = SpecParams(type="none" if spec_type == "draft" else spec_type, ngram_size_n=4, ngram_size_m=8)
-        chain = build_chain(params, draft if spec_type == "draft" else None)
-    stats = GenerationStats()
-    list(generate(target, prompt, N_PREDICT, Sampler(SamplingParams(temperature=0)), is_eog=tok.is_eog,
-                  speculator=chain, n_draft_max=8, stats=stats))
-    return stats
+        spec = SpecParams(type="none" if spec_type == "draft" else spec_type, ngram_size_n=4, ngram_size_m=8,
+                          n_max=8)
+    runner = draft if spec_type == "draft" else None
+    return generate(target, tok, prompt, N_PREDICT, SamplingParams(temperature=0), spec,
+                    chain_factory=lambda s, slot: build_chain(s, runner, seq=slot))
 
 
 @pytest.fixture(scope="module")
-def plain(pair) -> GenerationStats:
+def plain(pair) -> Generation:
     return run(pair, None)
 
 
 @pytest.mark.parametrize("spec_type", TYPES)
 def test_qwen_pair_identical(pair, plain, spec_type: str) -> None:
-    stats = run(pair, spec_type)
-    assert stats.tokens == plain.tokens
-    assert stats.draft_tokens > 0
+    gen = run(pair, spec_type)
+    assert gen.tokens == plain.tokens
+    assert gen.result.draft_n > 0
     if spec_type in ("ngram-simple", "ngram-cache", "ngram-suffix", "draft"):
-        assert stats.target_forwards < plain.target_forwards
+        assert gen.result.n_steps < plain.result.n_steps

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from specserve import catalog
@@ -34,9 +33,8 @@ KEYED_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v")  # the types --sp
 
 
 def results_dir() -> Path:
-    """Where benchmark JSON goes by default: outside the checkout ($SPECSERVE_CACHE/benchmarks)."""
-    base = os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
-    return Path(base) / "benchmarks"
+    """Where benchmark JSON goes by default: outside the checkout (the cache's benchmarks folder)."""
+    return catalog.cache_dir() / "benchmarks"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

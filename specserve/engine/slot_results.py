@@ -87,18 +87,20 @@ class SlotResults:
     def _after_decode(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
         slot = e.slot
         first = slot.last  # what row 0 evaluated (a fed row: the token the step before gave)
-        if e.guess is not None and first != e.guess:  # the draft guessed wrong: only row 0 counts
+        guessed = e.guess is not None and first == e.guess
+        if e.guess is not None and not guessed:  # the draft's first token guessed wrong: only row 0 counts
             out = self._choose(slot, picked[:1] if picked is not None else None,
                                rows[:1] if rows is not None else None, [])
-            n_acc = 0
         else:
             out = self._choose(slot, picked, rows, e.draft)
-            n_acc = len(out) - 1 + int(e.guess is not None)
         if e.guess is not None or e.draft:
             assert slot.chain is not None
-            slot.chain.accept(n_acc)
-            slot.draft_n += len(e.draft) + int(e.guess is not None)
-            slot.draft_accepted += n_acc
+            # The speculator hears how much of its draft held (a right guess included); the task's counts
+            # are of the tokens a step verified, so tokens = steps + accepted.
+            verified = len(out) - 1 if e.guess is None or guessed else 0
+            slot.chain.accept(verified + int(guessed))
+            slot.draft_n += len(e.draft)
+            slot.draft_accepted += verified
             self._count_drafts(slot)
         slot.n_steps += 1
         slot.cache.append(first)
