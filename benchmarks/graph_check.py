@@ -20,11 +20,12 @@ import torch
 from bench_output import output_path, write_json
 
 from specserve import catalog
-from specserve.engine.generate import prefill
+from specserve.cli.workloads import load_workloads, workload_prompts
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import Batch
-from specserve.workloads import load_workloads, workload_prompts
+
+PROMPT_CHUNK = 512  # prompt rows a forward, as the server's default batch size
 
 
 def first_prompts(runner: LocalRunner) -> list[list[int]]:
@@ -33,9 +34,19 @@ def first_prompts(runner: LocalRunner) -> list[list[int]]:
     return [workload_prompts(tok, category)[0] for category in load_workloads()]
 
 
+def prompt_logits(runner: LocalRunner, prompt: list[int]) -> torch.Tensor:
+    """Evaluate the prompt into sequence 0 in chunks; the logits of its last token."""
+    for start in range(0, len(prompt), PROMPT_CHUNK):
+        chunk = prompt[start:start + PROMPT_CHUNK]
+        batch = Batch()
+        batch.add_sequence(chunk, start, 0, "last" if start + len(chunk) == len(prompt) else "none")
+        logits = runner.forward(batch)
+    return logits[0]
+
+
 def greedy_with_logits(runner: LocalRunner, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor], float]:
     runner.kv_truncate(0, 0)
-    logits = prefill(runner, 0, prompt, 512)
+    logits = prompt_logits(runner, prompt)
     out, all_logits = [], []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
