@@ -5,7 +5,7 @@ so a before / after pair is only comparable from one lease, in turns. Each run i
 tree first on PYTHONPATH (a tree: a directory holding specserve/, e.g. `git worktree add /tmp/before HEAD~1`).
 
 Measures:
-  code-edits   greedy tok/s of qwen2.5-coder-1.5b (the real file) over the code-edit prompts, without
+  code-edits   greedy tok/s of a model (qwen2.5-coder-1.5b by default) over the code-edit prompts, without
                speculation and with ngram-suffix (median of --repeat passes each), the speedup, and whether
                the two texts are the same: for host-side and end-to-end changes.
   model-steps  GPU us per graph replay of the model with random weights in the Q4_K_M layout at 1..16 rows
@@ -31,23 +31,21 @@ MARK = "ab_trees result: "  # the line of a run's output that carries its JSON
 MODEL_ROWS = (1, 2, 4, 6, 8, 9, 12, 16)
 
 
-def code_edit_rates(weight_format: str, n_predict: int, repeat: int) -> dict[str, object]:
-    from specserve.bench import greedy_decode_rate
-    from specserve.session import GenerationSession
+def code_edit_rates(model: str, weight_format: str, n_predict: int, repeat: int) -> dict[str, object]:
+    from specserve.cli.measure import greedy_decode_rate
+    from specserve.cli.session import GenerationSession
+    from specserve.cli.workloads import workload_prompts
     from specserve.speculative.base import SpecParams
-    from specserve.speculative.factory import build_chain
-    from specserve.workloads import workload_prompts
 
-    session = GenerationSession.load("qwen2.5-coder-1.5b", n_ctx=4096, weight_format=weight_format, progress=False)
+    session = GenerationSession.load(model, n_ctx=4096, weight_format=weight_format, progress=False)
     session.runner.warmup(17)
     tok = session.tokenizer
     prompts = workload_prompts(tok, "code_edit")
-    chains = {"none": lambda: None, "ngram-suffix": lambda: build_chain(SpecParams(type="ngram-suffix"))}
     res: dict[str, object] = {}
     outputs = {}
-    for name, factory in chains.items():
-        rate, _, outputs[name] = greedy_decode_rate(session.runner, prompts, n_predict, tok.is_eog, factory,
-                                                    repeat=repeat)
+    for name, spec in {"none": None, "ngram-suffix": SpecParams(type="ngram-suffix")}.items():
+        rate, _, outputs[name] = greedy_decode_rate(session.runner, tok, prompts, n_predict, spec=spec,
+                                                    chain_factory=session.new_chain, repeat=repeat)
         res[name] = round(rate, 1)
     res["x"] = round(res["ngram-suffix"] / res["none"], 3)  # type: ignore[operator]
     res["identical"] = outputs["none"] == outputs["ngram-suffix"]
@@ -65,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
     import specserve
 
     if args.measure == "code-edits":
-        res = code_edit_rates(args.weight_format, args.n_predict, args.repeat)
+        res = code_edit_rates(args.model, args.weight_format, args.n_predict, args.repeat)
     else:
         res = model_step_us()
     print(MARK + json.dumps({"where": str(Path(specserve.__file__).parent.parent), **res}), flush=True)
@@ -74,8 +72,8 @@ def child(args: argparse.Namespace) -> None:
 def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, object]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, __file__, "--child", "--measure", args.measure, "--weight-format", args.weight_format,
-           "-n", str(args.n_predict), "--repeat", str(args.repeat), str(tree)]
+    cmd = [sys.executable, __file__, "--child", "--measure", args.measure, "-m", args.model,
+           "--weight-format", args.weight_format, "-n", str(args.n_predict), "--repeat", str(args.repeat), str(tree)]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     lines = proc.stdout.splitlines()
     for line in lines:
@@ -90,6 +88,7 @@ def main() -> None:
     ap.add_argument("trees", nargs="+", type=Path, help="package trees (directories holding specserve/), in turn")
     ap.add_argument("--measure", choices=("code-edits", "model-steps"), default="code-edits")
     ap.add_argument("--rounds", type=int, default=2, help="times each tree runs (alternated)")
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b", help="code-edits: the model")
     ap.add_argument("--weight-format", default="gguf", help="code-edits: as `specserve bench --weight-format`")
     ap.add_argument("-n", "--n-predict", type=int, default=128, help="code-edits: tokens per prompt")
     ap.add_argument("--repeat", type=int, default=5, help="code-edits: passes per rate (the median is kept)")
@@ -99,8 +98,13 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from bench_output import output_path, print_table, write_json  # imports specserve: not in the runs
+    # imported here, not at the top: a run imports only what its measure needs from its tree
+    from bench_output import output_path, print_table, write_json
 
+    from specserve.cli.workloads import workload_path
+
+    # a tree outside the checkout's folder would look for ../shared beside itself: every run reads these prompts
+    os.environ.setdefault("SPECSERVE_WORKLOADS", str(workload_path()))
     runs = []
     for i in range(args.rounds):
         for tree in args.trees:
