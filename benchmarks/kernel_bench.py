@@ -32,11 +32,21 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from bench_output import output_path, print_table, write_json
-from random_model import CFG, DEV, graph_at, graph_us, make_runner, replay_us, step_gpu_us, step_ms
+from random_model import (
+    CFG,
+    DEV,
+    StandInTokenizer,
+    graph_at,
+    graph_us,
+    make_runner,
+    replay_us,
+    step_gpu_us,
+    step_ms,
+)
 
-from specserve.bench import bench_decode, bench_prefill, copy_bandwidth
+from specserve.cli.measure import bench_decode, bench_prefill, copy_bandwidth
 from specserve.engine.local_runner import LocalRunner
-from specserve.kernels import linear_triton, quant_cuda
+from specserve.kernels import quant_cuda
 from specserve.kernels.activation import silu_mul
 from specserve.kernels.cuda import block_shapes, build
 from specserve.kernels.linear import QuantWeight
@@ -58,7 +68,7 @@ def section_model() -> None:
         runner.warmup(17)
         warm_s = time.perf_counter() - t0
         pp = bench_prefill(runner, 512, 3)
-        tg = bench_decode(runner, 128)
+        tg = bench_decode(runner, StandInTokenizer(), 128)
         gpu = step_gpu_us(runner)
         wall1, wall8 = step_ms(runner, 1), step_ms(runner, 8)
         r = {"format": fmt, "triton_gemv_bf16": triton_gemv, "quant_kernel": quant_kernel, "pdl": pdl,
@@ -250,6 +260,8 @@ def prebuild_calls(calls: list[Callable[[], object]]) -> None:
 
 
 def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl: Rotation) -> dict[str, object]:
+    from specserve.kernels import linear_triton  # imports triton: here, so that --help runs anywhere
+
     x = torch.randn(m, 2 * k if silu else k, device=DEV).to(torch.bfloat16)
     calls = 2 * len(qs.items)
     qw = qs.items[0]
