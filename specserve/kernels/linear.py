@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,8 @@ import torch.nn.functional as F
 from specserve.errors import SpecserveError
 from specserve.kernels.activation import silu_mul, silu_mul_ref
 from specserve.kernels.dispatch import triton_enabled
-
-if TYPE_CHECKING:
-    from specserve.kernels.rope import RopeWrite
+from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from specserve.kernels.rope import RopeWrite, rope_and_cache
 
 Q8_BLOCK = 32  # weights per scale, as GGUF's Q8_0
 MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
@@ -222,3 +221,159 @@ def dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 
         return linear_triton.dequantize(w, dtype)
     return dequantize_ref(w, dtype)
+
+
+# Decoder-step ops: RMSNorm -> product (+ RoPE and the KV write) -> add to the residual stream. The model
+# calls them on a ResidualStream; whether they fold the norms, RoPE and the adds into the products (the
+# tensor-core kernel) is decided here, once per step for all of its ops (`StepFusion`).
+
+
+class ResidualStream:
+    """A decoder step's residual stream [rows, hidden], as its ops read it and add to it.
+
+    fused: each op folds the RMSNorm it needs into its product and adds its output in place, so
+    `residual` is always current. Otherwise a sub-layer's output waits in `pending` for the next RMSNorm,
+    which adds it in the same kernel (add_rms_norm)."""
+
+    def __init__(self, x: torch.Tensor, fused: bool) -> None:
+        self.residual = x
+        self.pending: torch.Tensor | None = None
+        self.fused = fused
+
+    def normed(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of the stream, with the pending output added first (unfused ops)."""
+        if self.pending is None:
+            return rms_norm(self.residual, weight, eps)
+        h, self.residual = add_rms_norm(self.pending, self.residual, weight, eps)
+        self.pending = None
+        return h
+
+    def add(self, y: torch.Tensor) -> None:
+        """Add a sub-layer's output (unfused ops): it waits for the next RMSNorm."""
+        self.pending = y if self.pending is None else self.pending + y
+
+    def keep_rows(self, rows: torch.Tensor | None) -> None:
+        """Keep only `rows` (None: all), e.g. the rows whose logits are wanted."""
+        if rows is None:
+            return
+        self.residual = self.residual[rows]
+        if self.pending is not None:
+            self.pending = self.pending[rows]
+
+
+@dataclass
+class NormQKVRope:
+    """RMSNorm -> [q | k | v] product (+ bias) -> RMSNorm of each q and k head (head_norms) -> RoPE, with k
+    and v written to one layer's KV cache [n_seqs, n_kv_heads, ctx, head_dim]; returns the rotated q
+    [rows, n_heads, head_dim]. Fused, it is one tensor-core product (RoPE and the write in its epilogue)."""
+
+    norm: torch.Tensor
+    eps: float
+    w: Weight
+    bias: torch.Tensor | None
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None  # (q, k) weights [head_dim]
+    cos: torch.Tensor  # rope_cos_sin tables
+    sin: torch.Tensor
+    style: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """The epilogue rotates whole heads of a multiple of 16 values and has no per-head RMSNorm."""
+        rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
+                   and self.style in ("neox", "interleaved"))
+        return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
+
+    def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        n = stream.residual.shape[0]
+        if stream.fused:
+            rope = RopeWrite(self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.n_heads, self.n_kv_heads,
+                             self.style)
+            q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
+            return q.view(n, self.n_heads, self.head_dim)
+        qkv = linear(stream.normed(self.norm, self.eps), self.w, self.bias)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(n, self.n_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, self.n_kv_heads, self.head_dim)
+        if self.head_norms is not None:
+            q = rms_norm(q, self.head_norms[0], self.eps)
+            k = rms_norm(k, self.head_norms[1], self.eps)
+        return rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.style)
+
+
+@dataclass
+class LinearAdd:
+    """stream += x @ w^T: the product that ends a sub-layer (attention's output matrix)."""
+
+    w: Weight
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        return fusable(x, self.w)
+
+    def __call__(self, stream: ResidualStream, x: torch.Tensor) -> None:
+        if stream.fused:
+            linear_fused(x, self.w, add_to=stream.residual)
+        else:
+            stream.add(linear(x, self.w))
+
+
+@dataclass
+class NormFeedForwardAdd:
+    """stream += down(silu(gate) * up) of the stream's RMSNorm (the dense SwiGLU feed-forward)."""
+
+    norm: torch.Tensor
+    eps: float
+    w_gate_up: Weight
+    w_down: Weight
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        return (fusable(x, self.w_gate_up, norm_input=True) and fusable(x, self.w_down)
+                and self.w_gate_up.shape[0] % 16 == 0 and self.norm.dtype == torch.bfloat16)
+
+    def __call__(self, stream: ResidualStream) -> None:
+        if stream.fused:
+            feed_forward(stream.residual, self.w_gate_up, self.w_down, norm=(self.norm, self.eps),
+                         add_to=stream.residual)
+        else:
+            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down))
+
+
+@dataclass
+class NormLinear:
+    """RMSNorm of the stream -> product, e.g. the output head. It ends the step, so it folds the norm in
+    whenever its own product can, on a fused step."""
+
+    norm: torch.Tensor
+    eps: float
+    w: Weight
+    out_dtype: torch.dtype | None = None
+
+    def __call__(self, stream: ResidualStream) -> torch.Tensor:
+        if stream.fused and fusable(stream.residual, self.w, norm_input=True):
+            return linear_fused(stream.residual, self.w, norm=(self.norm, self.eps), out_dtype=self.out_dtype)
+        return linear(stream.normed(self.norm, self.eps), self.w, out_dtype=self.out_dtype)
+
+
+class StepOp(Protocol):
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether the op can fold its norm and add into its product for a step whose residual stream is x."""
+        ...
+
+
+class StepFusion:
+    """Opens each step's ResidualStream, fused only where every op of the step can fuse: then the stream is
+    current after every op, else added to by the next RMSNorm; a mix would need separate adds where the two
+    meet. Decided once per row count (the step's shapes fix it)."""
+
+    def __init__(self, ops: list[StepOp]) -> None:
+        self.ops = ops
+        self._by_rows: dict[int, bool] = {}
+
+    def stream(self, x: torch.Tensor) -> ResidualStream:
+        rows = x.shape[0]
+        if rows not in self._by_rows:
+            self._by_rows[rows] = all(op.fusable(x) for op in self.ops)
+        return ResidualStream(x, self._by_rows[rows])

@@ -1,0 +1,33 @@
+"""Architecture name (GGUF general.architecture) -> the family module that reads its config and builds
+its layers. A new architecture is one module (read_config, decoder_layer) and one entry here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.errors import SpecserveError
+from specserve.model import llama, qwen2, qwen3
+from specserve.model.blocks import DecoderLayer, RopeTables
+from specserve.model.config import ModelConfig
+from specserve.model.weights import LayerWeights
+
+
+@dataclass(frozen=True)
+class Family:
+    read_config: Callable[[dict[str, Any], set[str]], ModelConfig]  # GGUF metadata, tensor names -> config
+    decoder_layer: Callable[[ModelConfig, int, LayerWeights, RopeTables], DecoderLayer]
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(llama.read_config, llama.decoder_layer),
+    "qwen2": Family(qwen2.read_config, qwen2.decoder_layer),
+    "qwen3": Family(qwen3.read_config, qwen3.decoder_layer),
+}
+
+
+def family(arch: str | None) -> Family:
+    if arch not in FAMILIES:
+        raise SpecserveError(f"unsupported model architecture '{arch}' (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[arch]
