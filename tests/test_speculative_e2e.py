@@ -82,7 +82,8 @@ def test_ngram_types_identical_and_fewer_passes(name, smollm_runner, code_edit_p
         assert gen.tokens == plain_greedy.tokens
         assert gen.result.draft_n_accepted > 0, f"{name} accepted no drafted token"
         assert gen.result.n_steps < plain_greedy.result.n_steps
-        assert gen.result.n_steps + gen.result.draft_n_accepted == plain_greedy.result.n_steps
+        if not overlap:  # (overlapped, a right guess at the token in flight is accepted but saves no step)
+            assert gen.result.n_steps + gen.result.draft_n_accepted == plain_greedy.result.n_steps
 
 
 def test_draft_model_identical(smollm_runner, draft_runner, code_edit_prompt, tokenizer, plain_greedy) -> None:

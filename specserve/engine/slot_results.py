@@ -95,12 +95,12 @@ class SlotResults:
             out = self._choose(slot, picked, rows, e.draft)
         if e.guess is not None or e.draft:
             assert slot.chain is not None
-            # The speculator hears how much of its draft held (a right guess included); the task's counts
-            # are of the tokens a step verified, so tokens = steps + accepted.
+            # A guess at the token in flight counts as drafted (and accepted when right), as the speculator's
+            # own statistics and /metrics count it; it saves no step, so tokens = steps + accepted - right guesses.
             verified = len(out) - 1 if e.guess is None or guessed else 0
             slot.chain.accept(verified + int(guessed))
-            slot.draft_n += len(e.draft)
-            slot.draft_accepted += verified
+            slot.draft_n += len(e.draft) + int(e.guess is not None)
+            slot.draft_accepted += verified + int(guessed)
             self._count_drafts(slot)
         slot.n_steps += 1
         slot.cache.append(first)
