@@ -13,10 +13,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from specserve.model.batch import Batch
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.repack import REPACKABLE, repack
 from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref, pack, unpack
+from specserve.model.batch import Batch
 from tests.gguf_blocks import raw_blocks
 
 ROWS, COLS = 6, 512
