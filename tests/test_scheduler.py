@@ -36,7 +36,8 @@ def tokenizer(target: LocalRunner) -> Tokenizer:
 @pytest.fixture
 def scheduler(target: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
     # small n_batch: prompts are read in chunks
-    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
+    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, None, seq=slot),
+                      adaptive_drafts=False)  # (the tests assert that drafts were made)
     sched.start()
     yield sched
     sched.shutdown()
@@ -66,7 +67,8 @@ def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: T
                                                 smollm_path: Path) -> None:
     # The target as its own draft model: every drafted token that clears p_min is accepted.
     draft = LocalRunner(smollm_path, n_seqs=N_SLOTS, n_ctx=256, device="cpu", progress=False)
-    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot))
+    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot),
+                      adaptive_drafts=False)
     sched.start()
     try:
         plain = SpecParams(n_max=0)

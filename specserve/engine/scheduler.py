@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
+from specserve.engine.draft_gate import DraftGate
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_results import SlotResults
@@ -45,9 +46,10 @@ class Scheduler(SlotResults):
     """Serves up to runner.n_seqs tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
-                 n_batch: int = 512, overlap: bool = True):
+                 n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True):
         """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles
-        every step before the next is planned (the reference the tests compare with)."""
+        every step before the next is planned (the reference the tests compare with). adaptive_drafts: slots
+        draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft."""
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         self.runner = runner
@@ -62,6 +64,8 @@ class Scheduler(SlotResults):
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight: InFlight | None = None
+        self._gate = DraftGate() if overlap and adaptive_drafts else None
+        self._drafts_allowed = True
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
 
     # -- public, thread-safe ---------------------------------------------------------------------
@@ -117,6 +121,8 @@ class Scheduler(SlotResults):
         while True:
             with self._cond:
                 while not self._stopping and not self.busy:
+                    if self._gate is not None:
+                        self._gate.pause()
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -142,6 +148,9 @@ class Scheduler(SlotResults):
                     self._fail(slot, f"internal error: {exc}")
 
     def _turn(self) -> None:
+        if self._gate is not None:
+            generating = sum(s.state == SlotState.GENERATING for s in self.slots)
+            self._drafts_allowed = self._gate.allow(generating)
         if self._in_flight is None:
             self._in_flight = self._launch(self._plan(None))
             if self._in_flight is None:
@@ -300,7 +309,8 @@ class Scheduler(SlotResults):
         token), which the draft's first token stands for."""
         task = slot.task
         spec = task.spec
-        if not slot.use_chain or slot.chain is None or slot.handle is None or slot.handle.cancelled:
+        if (not self._drafts_allowed or not slot.use_chain or slot.chain is None or slot.handle is None
+                or slot.handle.cancelled):
             return []
         room = self.n_ctx - len(history) - 1  # positions left after `last`
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room

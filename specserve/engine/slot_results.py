@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from specserve.engine.draft_gate import DraftGate
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
@@ -30,6 +31,7 @@ class SlotResults:
     slots: list[Slot]
     counters: SchedulerCounters
     _cond: threading.Condition
+    _gate: DraftGate | None
 
     def _settle(self, flight: InFlight) -> None:
         live = flight.live()
@@ -142,6 +144,8 @@ class SlotResults:
             if 0 <= task.n_predict <= slot.n_decoded:
                 stop_type = "limit"
                 break
+        if self._gate is not None:
+            self._gate.count(len(emitted))
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
         if context_full:
             stop_type = "limit"
@@ -215,6 +219,8 @@ class SlotResults:
         slot.state = SlotState.IDLE
         slot.last_used = time.perf_counter()
         self.counters.requests_processing = sum(s.handle is not None for s in self.slots)
+        if self._gate is not None and not self.counters.requests_processing:
+            self._gate.pause()  # the time until the next task is not a turn's
 
     def _end_chain(self, slot: Slot) -> None:
         if slot.chain is None:

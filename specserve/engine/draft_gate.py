@@ -1,0 +1,86 @@
+"""Whether the scheduler lets its slots draft right now: speculation that never loses.
+
+A step with a draft must be settled before the next is planned, so drafting trades the overlap of host and
+device for the accepted tokens. With one slot that trade pays twice over on edited code; with dozens of
+slots the host's work per step is what limits throughput and a few accepted tokens do not buy back the lost
+overlap. Which side wins depends on the model, the device, the load and the text, so it is measured on the
+live load: generated tokens per second over windows of turns with drafts and without, per power-of-two
+count of generating slots, with a window of the other choice now and then to keep both figures fresh.
+A lone slot always drafts (on the code edits it gains x2 through the server).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+WINDOW = 8  # turns per measured window
+EXPLORE_EVERY = 16  # windows of the better choice between two windows of the other
+SMOOTHING = 0.5  # weight of the newest window in a rate
+
+
+@dataclass
+class _Bucket:
+    rates: dict[bool, float] = field(default_factory=dict)  # drafts allowed -> tokens/s
+    allow: bool = True  # this window's choice
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    windows_since_other: int = 0
+
+
+class DraftGate:
+    def __init__(self) -> None:
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: tuple[_Bucket, float] | None = None  # the turn in progress: its bucket, its start
+        self._turn_tokens = 0
+
+    @staticmethod
+    def _key(n_slots: int) -> int:
+        return max(n_slots, 1).bit_length()
+
+    def allow(self, n_slots: int) -> bool:
+        """Called at the start of every turn with the number of generating slots: may they draft?"""
+        now = time.perf_counter()
+        self._close(now)
+        if n_slots < 2:  # one slot: its verify steps cost little more than a decode step, drafts always pay
+            self.pause()
+            return True
+        bucket = self._buckets.setdefault(self._key(n_slots), _Bucket())
+        self._last = (bucket, now)
+        return bucket.allow
+
+    def pause(self) -> None:
+        """The loop goes idle: the turn in progress is not measured."""
+        self._last = None
+        self._turn_tokens = 0
+
+    def count(self, n_tokens: int) -> None:
+        """Tokens handed out during the current turn."""
+        self._turn_tokens += n_tokens
+
+    def _close(self, now: float) -> None:
+        """Account the turn that just ended; at the end of a window, choose the next window's mode."""
+        if self._last is None:
+            return
+        bucket, start = self._last
+        bucket.tokens += self._turn_tokens
+        self._turn_tokens = 0
+        bucket.seconds += now - start
+        bucket.turns += 1
+        if bucket.turns < WINDOW:
+            return
+        rate = bucket.tokens / bucket.seconds if bucket.seconds > 0 else 0.0
+        old = bucket.rates.get(bucket.allow)
+        bucket.rates[bucket.allow] = rate if old is None else SMOOTHING * rate + (1 - SMOOTHING) * old
+        bucket.turns, bucket.tokens, bucket.seconds = 0, 0, 0.0
+        if len(bucket.rates) < 2:  # not measured both ways yet
+            bucket.allow = not bucket.allow
+            bucket.windows_since_other = 0
+            return
+        best = bucket.rates[True] >= bucket.rates[False]
+        bucket.windows_since_other += 1
+        if bucket.windows_since_other > EXPLORE_EVERY:
+            bucket.allow, bucket.windows_since_other = not best, 0
+        else:
+            bucket.allow = best

@@ -1,0 +1,57 @@
+"""DraftGate: drafting is allowed while it gives more tokens per second than not drafting, measured per
+count of generating slots, with the other choice tried again now and then."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine import draft_gate
+from specserve.engine.draft_gate import EXPLORE_EVERY, WINDOW, DraftGate
+
+
+def simulate(monkeypatch: pytest.MonkeyPatch, gate: DraftGate, n_slots: int, turns: int,
+             tokens: dict[bool, int], seconds: dict[bool, float]) -> list[bool]:
+    """Run turns where a turn with drafts (True) or without gives tokens[mode] in seconds[mode]."""
+    clock = [0.0]
+    monkeypatch.setattr(draft_gate.time, "perf_counter", lambda: clock[0])
+    choices = []
+    for _ in range(turns):
+        mode = gate.allow(n_slots)
+        choices.append(mode)
+        gate.count(tokens[mode])
+        clock[0] += seconds[mode]
+    return choices
+
+
+def test_keeps_drafting_where_it_pays_and_stops_where_it_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DraftGate()
+    # Four slots: a turn with drafts gives 8.8 tokens in 1.1 ms, without 4 tokens in 1.0 ms: drafting wins.
+    one = simulate(monkeypatch, gate, 4, 40 * WINDOW, {True: 88, False: 40}, {True: 0.011, False: 0.010})
+    # 64 slots: drafts cost the overlap: 80 tokens in 12 ms with, 64 in 8 ms without.
+    many = simulate(monkeypatch, gate, 64, 40 * WINDOW, {True: 80, False: 64}, {True: 0.012, False: 0.008})
+    settled = slice(4 * WINDOW, None)  # after both have been measured
+    assert sum(one[settled]) / len(one[settled]) > 0.85
+    assert sum(many[settled]) / len(many[settled]) < 0.15
+    # The other choice is tried again, a window at a time, every EXPLORE_EVERY windows or so.
+    tried = [i for i in range(4 * WINDOW, len(many), WINDOW) if many[i]]
+    assert tried and all(b - a >= EXPLORE_EVERY * WINDOW for a, b in zip(tried, tried[1:], strict=False))
+
+
+def test_idle_time_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DraftGate()
+    clock = [0.0]
+    monkeypatch.setattr(draft_gate.time, "perf_counter", lambda: clock[0])
+    for turn in range(3 * WINDOW):
+        mode = gate.allow(2)
+        gate.count(20 if mode else 10)
+        clock[0] += 0.01
+        if turn == WINDOW + 2:  # a long pause with drafts off: without pause() it would look very slow
+            gate.pause()
+            clock[0] += 100.0
+    bucket = gate._buckets[2]
+    assert bucket.rates[True] == pytest.approx(2000) and bucket.rates[False] == pytest.approx(1000)
+
+
+def test_a_lone_slot_always_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DraftGate()
+    assert all(simulate(monkeypatch, gate, 1, 10 * WINDOW, {True: 1, False: 50}, {True: 1.0, False: 0.001}))
