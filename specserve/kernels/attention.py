@@ -12,15 +12,8 @@ import torch.nn.functional as F
 from specserve.kernels.dispatch import triton_enabled
 
 
-def attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    seq_ids: torch.Tensor,
-    runs: list[tuple[int, int, int, int]],
-    scale: float,
-) -> torch.Tensor:
+def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                  seq_ids: torch.Tensor, runs: list[tuple[int, int, int, int]], scale: float) -> torch.Tensor:
     """q [N, n_heads, d] -> out [N, n_heads, d].
 
     runs: (seq, start_row, end_row, kv_len) for each block of consecutive rows of one
@@ -38,15 +31,8 @@ def attention_ref(
     return out
 
 
-def attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    seq_ids: torch.Tensor,
-    runs: list[tuple[int, int, int, int]],
-    scale: float,
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+              seq_ids: torch.Tensor, runs: list[tuple[int, int, int, int]], scale: float) -> torch.Tensor:
     """Dispatch: the Triton kernel reads (seq, position) per row on the device and ignores
     `runs`, so its launch does not depend on host-side batch layout (graph-capturable)."""
     if triton_enabled(q) and q.shape[-1] in (64, 128, 256):
