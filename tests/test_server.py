@@ -394,3 +394,22 @@ def test_serve_refuses_bad_flags(args: list[str], needle: str, capsys: pytest.Ca
     assert main(["serve", "-m", "/nonexistent/model.gguf", *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err, err
+
+
+def test_generate_gives_the_servers_greedy_text(server: ServerProcess, smollm_path) -> None:
+    """`specserve generate` and the server run the same loop: the same prompt gives the same greedy tokens,
+    plain and speculating."""
+    from specserve.cli.session import GenerationSession
+    from specserve.engine.generate import generate
+    from specserve.engine.sampling import SamplingParams
+    from specserve.speculative.base import SpecParams
+
+    session = GenerationSession.load(str(smollm_path), device="cpu", progress=False)
+    tokens = session.prompt_tokens(REPEATING)
+    for fields, spec in (({"speculative.n_max": 0}, SpecParams(n_max=0)),
+                         ({"speculative.type": "ngram-suffix"}, SpecParams(type="ngram-suffix"))):
+        served = server.complete(REPEATING, n_predict=32, cache_prompt=False, return_tokens=True, **fields)
+        mine = generate(session.runner, session.tokenizer, tokens, 32, SamplingParams(temperature=0), spec,
+                        scheduler=session.scheduler)
+        assert served["tokens"] == mine.tokens, fields
+        assert spec.n_max == 0 or mine.result.draft_n_accepted > 0
