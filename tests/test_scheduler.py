@@ -110,11 +110,11 @@ def test_failed_step_fails_its_tasks_and_keeps_serving(scheduler: Scheduler, tok
     real_launch = runner.launch
     calls = {"n": 0}
 
-    def flaky(batch, fed=None):  # type: ignore[no-untyped-def]
+    def flaky(batch, fed=None, **kw):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device error")
-        return real_launch(batch, fed)
+        return real_launch(batch, fed, **kw)
 
     monkeypatch.setattr(runner, "launch", flaky)
     outcomes = [wait(submit(scheduler, tokenizer, p)[1])[1] for p in PROMPTS[:1]]

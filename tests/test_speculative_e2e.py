@@ -129,9 +129,9 @@ def test_drafts_fit_one_pass_steps(smollm_runner, code_edit_prompt, tokenizer, p
     step_rows = []
     launch = LocalRunner.launch
 
-    def counting_launch(self, batch, fed=None):
+    def counting_launch(self, batch, fed=None, **kw):
         step_rows.append(len(batch))
-        return launch(self, batch, fed)
+        return launch(self, batch, fed, **kw)
 
     monkeypatch.setattr(LocalRunner, "launch", counting_launch)
     spec = SpecParams(type="ngram-simple", ngram_size_n=4, ngram_size_m=8)

@@ -1,4 +1,4 @@
-"""Command-line front: specserve models | generate | lookup | serve | bench."""
+"""Command-line front: specserve models | generate | lookup | serve | bench | remote-host."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from specserve.errors import SpecserveError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specserve.cli import bench, generate, lookup, models, serve
+    from specserve.cli import bench, generate, lookup, models, remote_host, serve
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (models, generate, lookup, serve, bench):
+    for command in (models, generate, lookup, serve, bench, remote_host):
         command.register(sub)
     return parser
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 
+from specserve.engine.loading import RemoteOptions
 from specserve.engine.sampling import SamplingParams
+from specserve.errors import SpecserveError
 from specserve.model.weights import WEIGHT_FORMATS
+from specserve.remote.protocol import STEP_TIMEOUT, parse_address
 from specserve.speculative.base import SELECTABLE_TYPES, SpecParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_remote_args(p)
     p.add_argument("-m", "--model", default=os.environ.get("LLAMA_ARG_MODEL"),
                    help="catalog name or GGUF path (default: the embedded default model)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
@@ -66,3 +70,25 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
     ).validate()
+
+
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("remote host")
+    g.add_argument("--remote", default=None, metavar="ADDR",
+                   help="run the model on a `specserve remote-host` at unix:PATH or tcp:HOST:PORT (-m names it there)")
+    g.add_argument("--remote-token", default=os.environ.get("SPECSERVE_REMOTE_TOKEN"),
+                   help="the host's shared token [env: SPECSERVE_REMOTE_TOKEN]")
+    g.add_argument("--remote-timeout", type=float, default=STEP_TIMEOUT,
+                   help=f"seconds a step may take on the host (default {STEP_TIMEOUT:g})")
+
+
+def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:
+    if getattr(args, "remote", None) is None:
+        return None
+    try:
+        parse_address(args.remote)
+    except ValueError as exc:
+        raise SpecserveError(f"--remote: {exc}") from None
+    if args.remote_timeout <= 0:
+        raise SpecserveError("--remote-timeout must be positive")
+    return RemoteOptions(args.remote, args.remote_token, args.remote_timeout)

@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from specserve.cli.args import sampling_params_from_args, spec_params_from_args
+    from specserve.cli.args import remote_from_args, sampling_params_from_args, spec_params_from_args
     from specserve.server.app import create_app
     from specserve.server.engine import ServerSettings, check_settings
 
@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         n_batch=args.batch_size, n_predict=args.n_predict, device=args.device, alias=args.alias,
-        weight_format=args.weight_format,
+        weight_format=args.weight_format, remote=remote_from_args(args),
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
     )
     check_settings(settings)

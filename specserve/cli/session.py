@@ -9,11 +9,10 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from specserve import catalog
-from specserve.cli.args import sampling_params_from_args, spec_params_from_args
+from specserve.cli.args import remote_from_args, sampling_params_from_args, spec_params_from_args
 from specserve.engine.generate import run_task
-from specserve.engine.loading import load_with_draft
-from specserve.engine.local_runner import LocalRunner
+from specserve.engine.loading import RemoteOptions, load_with_draft
+from specserve.engine.runner import Runner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Result, Task
@@ -25,11 +24,11 @@ from specserve.speculative.factory import build_chain
 
 @dataclass
 class GenerationSession:
-    runner: LocalRunner
+    runner: Runner
     tokenizer: Tokenizer
     sampling: SamplingParams
     spec: SpecParams
-    draft_runner: LocalRunner | None = None
+    draft_runner: Runner | None = None
     scheduler: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -38,10 +37,10 @@ class GenerationSession:
     @classmethod
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
-             progress: bool = True, weight_format: str = "auto") -> GenerationSession:
-        runner, draft_runner = load_with_draft(
-            catalog.resolve(model), catalog.resolve(draft_model) if draft_model is not None else None,
-            n_ctx=n_ctx, device=device, progress=progress, weight_format=weight_format)
+             progress: bool = True, weight_format: str = "auto",
+             remote: RemoteOptions | None = None) -> GenerationSession:
+        runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
+                                                  progress=progress, weight_format=weight_format)
         return cls(runner, Tokenizer.from_gguf(runner.gguf), sampling or SamplingParams(),
                    (spec or SpecParams()).validate(), draft_runner)
 
@@ -49,7 +48,7 @@ class GenerationSession:
     def from_args(cls, args: argparse.Namespace) -> GenerationSession:
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
                         draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
-                        weight_format=args.weight_format)
+                        weight_format=args.weight_format, remote=remote_from_args(args))
 
     def prompt_tokens(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:

@@ -31,13 +31,14 @@ import torch
 from specserve.engine.host_copy import LaunchedStep, PinnedInputs
 from specserve.kernels.cuda import driver as cuda_driver
 from specserve.model.batch import Batch
+from specserve.model.kv_ledger import MAX_LOGIT_ROWS
 
 # Row counts with a graph: exact up to 16 (batch-1 decode and verify), coarser above.
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 STEP_ROWS = 256  # the largest step with logits for every row (its [rows, vocab] fp32 logits are kept)
 PROMPT_ROWS = 512  # the largest prompt chunk with a graph (the default chunk)
 ONE_ROW_FROM = 16  # batches of more rows wanting one row's logits or none take the one-row graphs
-RING_ROWS = 16384  # argmax rows a step can leave for the next one to take its tokens from
+RING_ROWS = MAX_LOGIT_ROWS  # argmax rows a step can leave for the next one to take its tokens from
 
 
 def bucket_for(n_rows: int, max_rows: int) -> int | None:

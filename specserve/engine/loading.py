@@ -1,20 +1,52 @@
-"""Loading the served model: the target's runner and, with a draft model, the draft's."""
+"""Loading the served model: the target's runner and, with a draft model, the draft's — here, or on a
+remote host (`--remote ADDR`: remote/client.py), where the model names are resolved by the host."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specserve import catalog
 from specserve.engine.local_runner import LocalRunner
+from specserve.engine.runner import Runner
 from specserve.gguf.vocab_check import check_vocab_compatible
+from specserve.remote.client import RemoteRunner
+from specserve.remote.protocol import STEP_TIMEOUT
 
 
-def load_with_draft(target: Path, draft: Path | None, **runner_args: Any) -> tuple[LocalRunner, LocalRunner | None]:
-    """The target's runner and, if a draft model is given, the draft's: same settings and context
-    size, vocabulary checked against the target's."""
-    runner = LocalRunner(target, **runner_args)
+@dataclass(frozen=True)
+class RemoteOptions:
+    address: str  # unix:PATH or tcp:HOST:PORT of a `specserve remote-host`
+    token: str | None = None
+    timeout: float = STEP_TIMEOUT  # seconds a step may take before the front gives up on the host
+
+
+def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,
+                    **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
+    """The target's runner, the draft's if a draft model is given (same settings and context size,
+    vocabulary checked against the target's), and the target's path (on the host, for a remote one)."""
+    if remote is not None:
+        return _load_remote(model or catalog.DEFAULT_MODEL, draft, remote, **runner_args)
+    path = catalog.resolve(model)
+    runner = LocalRunner(path, **runner_args)
     if draft is None:
-        return runner, None
-    draft_runner = LocalRunner(draft, **{**runner_args, "n_ctx": runner.n_ctx})
+        return runner, None, path
+    draft_runner = LocalRunner(catalog.resolve(draft), **{**runner_args, "n_ctx": runner.n_ctx})
     check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
-    return runner, draft_runner
+    return runner, draft_runner, path
+
+
+def _load_remote(model: str, draft: str | None, remote: RemoteOptions, *, n_seqs: int = 1,
+                 n_ctx: int | None = None, device: str | None = None, weight_format: str = "auto",
+                 **_: Any) -> tuple[Runner, Runner | None, Path]:
+    def connect(name: str, ctx: int | None) -> RemoteRunner:
+        return RemoteRunner(remote.address, name, n_seqs=n_seqs, n_ctx=ctx, weight_format=weight_format,
+                            device=device, token=remote.token, timeout=remote.timeout)
+
+    runner = connect(model, n_ctx)
+    if draft is None:
+        return runner, None, runner.gguf.path
+    draft_runner = connect(draft, runner.n_ctx)
+    check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+    return runner, draft_runner, runner.gguf.path

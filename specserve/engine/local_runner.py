@@ -16,6 +16,7 @@ from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.linear import MAX_GEMV_ROWS
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
+from specserve.model.kv_ledger import KVLedger
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
 
@@ -94,7 +95,8 @@ class LocalRunner:
             (cfg.n_layers, 2, n_seqs + int(use_graphs), cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
             dtype=self.dtype, device=self.device,
         )
-        self.seq_len = [0] * n_seqs
+        self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size)
+        self.seq_len = self.ledger.seq_len  # (the same list)
         # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
         # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
         # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
@@ -102,7 +104,6 @@ class LocalRunner:
                               else None)
         self._ring = torch.zeros((2, RING_ROWS), dtype=torch.long, device=self.device)  # see cuda_graphs
         self._launches = 0
-        self._last_rows = 0  # rows of the last launched step (what fed indices may name)
         self.graphs = (GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs, ring=self._ring)
                        if use_graphs else None)
         freeze_gc()
@@ -123,21 +124,17 @@ class LocalRunner:
         rows = self.max_step_rows
         return n_max if rows is None else min(n_max, rows - 1)
 
-    def launch(self, batch: Batch, fed: Sequence[int] | None = None) -> LaunchedStep:
+    def launch(self, batch: Batch, fed: Sequence[int] | None = None, logits: bool = True) -> LaunchedStep:
         """Queue a forward pass; the batch's K/V enter the cache. fed[i] >= 0: row i's token is the argmax of
         batch row fed[i] of the step launched just before on this runner (which wanted that row's logits);
-        its entry in batch.tokens is ignored. So the next step can be queued before this one is read."""
-        runs = batch.runs()
-        self._check(batch, runs, fed)
+        its entry in batch.tokens is ignored. So the next step can be queued before this one is read. (logits:
+        the logits are there either way on this runner.)"""
+        runs = self.ledger.admit(batch, fed)
         parity = self._launches % 2
         self._launches += 1
-        self._last_rows = len(batch)
         step = self.graphs.launch(batch, fed, parity) if self.graphs is not None else None
         if step is None:  # no graph takes a batch of this shape
             step = self._launch_eager(batch, runs, fed, parity)
-        # Writing at position p makes p the sequence's end: later entries are stale.
-        for seq, _start, _end, kv_len in runs:
-            self.seq_len[seq] = kv_len
         return step
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -169,40 +166,15 @@ class LocalRunner:
             self._ring[parity].index_copy_(0, rows, argmax)
         return LaunchedStep(logits, argmax, len(wanted))
 
-    def _check(self, batch: Batch, runs: list[tuple[int, int, int, int]], fed: Sequence[int] | None) -> None:
-        if len(batch) == 0:
-            raise SpecserveError("empty batch")
-        if len(batch.logit_rows()) > RING_ROWS:
-            raise SpecserveError(f"a step may want the logits of at most {RING_ROWS} rows")
-        if fed is not None and (len(fed) != len(batch) or max(fed, default=-1) >= self._last_rows):
-            raise SpecserveError("fed rows must name rows of the step launched before")
-        seen: set[int] = set()
-        for seq, start, end, kv_len in runs:
-            if not 0 <= seq < self.n_seqs:
-                raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
-            if seq in seen:
-                raise SpecserveError(f"rows of sequence {seq} are not consecutive in the batch")
-            seen.add(seq)
-            pos = batch.positions[start:end]
-            if pos[0] > self.seq_len[seq] or pos != list(range(pos[0], pos[0] + len(pos))):
-                raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
-            if kv_len > self.n_ctx:
-                raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
-        if not 0 <= min(batch.tokens) <= max(batch.tokens) < self.config.vocab_size:  # (C loops: on the step path)
-            bad = next(t for t in batch.tokens if not 0 <= t < self.config.vocab_size)
-            raise SpecserveError(f"token id {bad} out of range (vocabulary size {self.config.vocab_size})")
-
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
-        if not 0 <= n_keep <= self.seq_len[seq]:
-            raise SpecserveError(f"cannot truncate sequence {seq} of length {self.seq_len[seq]} to {n_keep}")
-        self.seq_len[seq] = n_keep
+        self.ledger.truncate(seq, n_keep)
 
     def kv_copy(self, src: int, dst: int) -> None:
         """Make dst's cache a copy of src's (shared prompt prefixes)."""
         n = self.seq_len[src]
+        self.ledger.copy(src, dst)
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
-        self.seq_len[dst] = n
 
     def memory_info(self) -> dict[str, int]:
         kv_bytes = self.kv.numel() * self.kv.element_size()

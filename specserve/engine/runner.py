@@ -37,9 +37,10 @@ class Runner(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def launch(self, batch: Batch, fed: Sequence[int] | None = None) -> Step:
+    def launch(self, batch: Batch, fed: Sequence[int] | None = None, logits: bool = True) -> Step:
         """Queue a forward pass over the batch (its K/V enter the cache). fed[i] >= 0 makes row i's token the
-        argmax of row fed[i] of the step launched just before, on the device."""
+        argmax of row fed[i] of the step launched just before, on the device. logits=False: the caller reads
+        only tokens() (a remote runner then sends no logits back)."""
         ...
 
     def forward(self, batch: Batch) -> torch.Tensor:

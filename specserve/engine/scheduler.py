@@ -140,12 +140,14 @@ class Scheduler(SlotResults):
             self._start_task(handle)
         try:
             self._turn()
-        except Exception as exc:  # a bug in the step itself: fail the active tasks, keep serving
-            log.exception("scheduler step failed")
+        except Exception as exc:  # a lost remote host, or a bug in the step itself: fail the active tasks
+            if not isinstance(exc, SpecserveError):
+                log.exception("scheduler step failed")
             self._in_flight = None
+            message = str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}"
             for slot in self.slots:
                 if slot.handle is not None:
-                    self._fail(slot, f"internal error: {exc}")
+                    self._fail(slot, message)
 
     def _turn(self) -> None:
         if self._gate is not None:
@@ -205,7 +207,9 @@ class Scheduler(SlotResults):
         task = handle.task
         try:
             keep = common_prefix(slot.cache, task.prompt) if task.cache_prompt else 0
-            keep = min(keep, len(task.prompt) - 1)  # evaluate at least one token: its logits start generation
+            # Evaluate at least one token (its logits start generation); keep no more than the runner still has
+            # (a remote host that restarted has lost every cache).
+            keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]
             slot.n_past = slot.n_planned = slot.n_cached = keep
@@ -323,7 +327,8 @@ class Scheduler(SlotResults):
         if not plan.entries:
             return None
         try:
-            step = self.runner.launch(plan.batch, plan.fed_rows())
+            need_logits = any(e.n_logits and not e.slot.greedy_only for e in plan.entries)
+            step = self.runner.launch(plan.batch, plan.fed_rows(), logits=need_logits)
         except Exception as exc:
             log.exception("forward pass failed")
             for e in plan.entries:

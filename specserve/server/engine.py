@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve import catalog
-from specserve.engine.loading import load_with_draft
+from specserve.engine.loading import RemoteOptions, load_with_draft
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
@@ -41,6 +41,7 @@ class ServerSettings:
     n_predict: int = -1
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
+    remote: RemoteOptions | None = None  # run the model on a remote host
     alias: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
@@ -91,9 +92,8 @@ class Engine:
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
         check_settings(settings)
         n_ctx = settings.slot_ctx()
-        path = catalog.resolve(settings.model)
-        draft_path = catalog.resolve(settings.model_draft) if settings.model_draft is not None else None
-        runner, draft_runner = load_with_draft(path, draft_path, n_seqs=settings.n_parallel, n_ctx=n_ctx,
+        runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
+                                                     n_seqs=settings.n_parallel, n_ctx=n_ctx,
                                                device=settings.device, progress=progress,
                                                weight_format=settings.weight_format)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
