@@ -213,7 +213,7 @@ class Connection:
     def _load(self, cmd: Command, rid: int, f: dict[str, Any]) -> None:
         if self.runner is not None:
             raise ProtocolError(Status.ALREADY_LOADED, "a model is already loaded on this connection")
-        if not (1 <= f["n_seqs"] <= 4096 and 1 <= f["n_ctx"] <= 1 << 22):
+        if not (1 <= f["n_seqs"] <= 4096 and 0 <= f["n_ctx"] <= 1 << 22):  # n_ctx 0: the model's default
             raise ProtocolError(Status.BAD_REQUEST, "sequence count or context size out of range")
         runner = self.load_runner(f["model"], f["n_seqs"], f["n_ctx"], f["weight_format"], f["device"])
         gguf = runner.gguf
