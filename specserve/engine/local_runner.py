@@ -116,6 +116,11 @@ class LocalRunner:
             freeze_gc()
 
     @property
+    def file_bytes(self) -> int:
+        """Size of the GGUF file the weights came from (0 for weights built elsewhere)."""
+        return self.gguf.path.stat().st_size if self.gguf is not None else 0
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
 

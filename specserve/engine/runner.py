@@ -37,6 +37,11 @@ class Runner(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def file_bytes(self) -> int:
+        """Size of the model's GGUF file."""
+        ...
+
     def launch(self, batch: Batch, fed: Sequence[int] | None = None, logits: bool = True) -> Step:
         """Queue a forward pass over the batch (its K/V enter the cache). fed[i] >= 0 makes row i's token the
         argmax of row fed[i] of the step launched just before, on the device. logits=False: the caller reads

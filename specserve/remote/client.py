@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,8 @@ class RemoteRunner:
         self.weight_format = info["weight_format"]
         self.weights_bytes = info["weights_bytes"]
         self.gguf = RemoteModelFile(Path(info["path"]), json.loads(info["metadata"]))
+        self.config = SimpleNamespace(**json.loads(info["config"]))  # the host's ModelConfig, as values
+        self.file_bytes = info["file_bytes"]
         self.ledger = KVLedger(self.n_seqs, self.n_ctx, self.vocab_size)
         self.seq_len = self.ledger.seq_len
 

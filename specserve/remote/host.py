@@ -9,6 +9,7 @@ broken connection ends it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -224,7 +225,8 @@ class Connection:
             cmd, rid, n_seqs=runner.n_seqs, n_ctx=runner.n_ctx, vocab_size=runner.vocab_size,
             max_step_rows=-1 if rows is None else rows, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), weight_format=runner.weight_format,
-            path=str(gguf.path), metadata=metadata, weights_bytes=runner.memory_info()["weights_bytes"]))
+            path=str(gguf.path), metadata=metadata, weights_bytes=runner.memory_info()["weights_bytes"],
+            config=json.dumps(dataclasses.asdict(runner.config)).encode(), file_bytes=runner.file_bytes))
 
 
 def _json_value(value: Any) -> Any:

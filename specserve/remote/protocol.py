@@ -67,7 +67,7 @@ COMMANDS = (
                         ("device", "str")),
             (("n_seqs", "u32"), ("n_ctx", "u32"), ("vocab_size", "u32"), ("max_step_rows", "i64"),
              ("device", "str"), ("dtype", "str"), ("weight_format", "str"), ("path", "str"),
-             ("metadata", "bytes"), ("weights_bytes", "i64"))),
+             ("metadata", "bytes"), ("weights_bytes", "i64"), ("config", "bytes"), ("file_bytes", "i64"))),
     Command(3, "launch", (("tokens", "ints"), ("positions", "ints"), ("seq_ids", "ints"), ("logit_rows", "ints"),
                           ("fed", "ints"), ("want_logits", "u8")),
             (("argmax", "ints"), ("logits", "tensor"))),
@@ -216,16 +216,17 @@ def decode_request(payload: bytes | memoryview) -> tuple[Command, int, dict[str,
     return cmd, request_id, fields
 
 
-def decode_reply(payload: bytes | memoryview) -> tuple[Command, int, Status, dict[str, Any] | str]:
-    """(command, request id, status, fields or the error message)."""
+def decode_reply(payload: bytes | memoryview) -> tuple[Command | None, int, Status, dict[str, Any] | str]:
+    """(command, request id, status, fields or the error message); an error reply may name a command code
+    that does not exist (the request's)."""
     r = Reader(payload)
     code, request_id, status = r.unpack("<HIH")
     cmd = BY_CODE.get(code)
-    if cmd is None:
-        raise ProtocolError(Status.UNKNOWN_COMMAND, f"reply to unknown command {code}")
     if status != Status.OK:
         message = r.field("str")
         return cmd, request_id, Status(status) if status in Status._value2member_map_ else Status.INTERNAL, message
+    if cmd is None:
+        raise ProtocolError(Status.UNKNOWN_COMMAND, f"reply to unknown command {code}")
     fields = {f: r.field(kind) for f, kind in cmd.reply}
     r.done()
     return cmd, request_id, Status.OK, fields

@@ -337,7 +337,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, "Loading model")
         cfg = engine.runner.config
         meta = {"vocab_type": 2, "n_vocab": cfg.vocab_size, "n_ctx_train": cfg.context_length,
-                "n_embd": cfg.hidden, "size": engine.model_path.stat().st_size}
+                "n_embd": cfg.hidden, "size": engine.runner.file_bytes}
         return JSONResponse({"object": "list", "data": [
             {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "specserve",
              "meta": meta}]})
