@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.errors import SpecserveError
-from specserve.model import llama, qwen2, qwen3
+from specserve.model import llama, qwen2, qwen2moe, qwen3, qwen3moe
 from specserve.model.blocks import DecoderLayer, RopeTables
 from specserve.model.config import ModelConfig
 from specserve.model.weights import LayerWeights
@@ -24,6 +24,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(llama.read_config, llama.decoder_layer),
     "qwen2": Family(qwen2.read_config, qwen2.decoder_layer),
     "qwen3": Family(qwen3.read_config, qwen3.decoder_layer),
+    "qwen2moe": Family(qwen2moe.read_config, qwen2moe.decoder_layer),
+    "qwen3moe": Family(qwen3moe.read_config, qwen3moe.decoder_layer),
 }
 
 

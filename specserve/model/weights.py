@@ -6,11 +6,13 @@ matmuls fewer per step: at small batch the GPU pays per kernel, not per byte.
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
 from tqdm import tqdm
 
 from specserve.errors import SpecserveError
@@ -18,11 +20,14 @@ from specserve.gguf.reader import GGUFFile
 from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
 from specserve.model.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 # "float": every matrix in the runner's dtype (the default, "auto"). "gguf": block-quantized
 # matrices stay quantized as in the file (4- or 8-bit integers, fp16 scale and min per group of
 # 16 / 32; see QuantWeight and specserve.gguf.repack): a Q4_K_M file reads ~0.4 of bf16's bytes
 # per token. "q8": every matrix quantized with Q8_0's rule from its float values (for float
-# files and random weights).
+# files and random weights). Both pack 2-D matrices only: a mixture of experts' stacked expert
+# tensors stay float in either (see ExpertWeights).
 WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -31,6 +36,46 @@ def resolve_weight_format(weight_format: str) -> str:
     if weight_format not in WEIGHT_FORMATS:
         raise SpecserveError(f"unknown weight format '{weight_format}' (choose from {', '.join(WEIGHT_FORMATS)})")
     return "float" if weight_format == "auto" else weight_format
+
+
+def _moe_name(tensor: MODEL_TENSOR, layer: int) -> str:
+    """llama.cpp's name of a layer's MoE tensor, from the gguf package's own table."""
+    return TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
+
+
+MOE_TENSORS = {  # ExpertWeights' source tensors, by role
+    "router": MODEL_TENSOR.FFN_GATE_INP, "gate": MODEL_TENSOR.FFN_GATE_EXP, "up": MODEL_TENSOR.FFN_UP_EXP,
+    "down": MODEL_TENSOR.FFN_DOWN_EXP, "shared_gate": MODEL_TENSOR.FFN_GATE_INP_SHEXP,
+    "shared_gate_proj": MODEL_TENSOR.FFN_GATE_SHEXP, "shared_up": MODEL_TENSOR.FFN_UP_SHEXP,
+    "shared_down": MODEL_TENSOR.FFN_DOWN_SHEXP,
+}
+SHARED_MATRICES = ("shared_gate_proj", "shared_up", "shared_down")
+
+
+def moe_tensor_name(role: str, layer: int) -> str:
+    return _moe_name(MOE_TENSORS[role], layer)
+
+
+def is_moe_layer(tensor_names: set[str] | list[str], layer: int) -> bool:
+    """A layer is a mixture of experts when the file has its stacked expert tensors (ffn_gate_exps)."""
+    return moe_tensor_name("gate", layer) in tensor_names
+
+
+@dataclass
+class ExpertWeights:
+    """A mixture-of-experts feed-forward. The stacked expert tensors are float in the runner's dtype
+    whatever the weight format: "gguf" and "q8" pack 2-D matrices only, so a quantized file's experts are
+    dequantized at load (logged). The shared expert's matrices take the weight format like dense ones."""
+
+    router: torch.Tensor  # [n_expert, hidden] (ffn_gate_inp)
+    gate_up: torch.Tensor  # [n_expert, 2 ffn_expert, hidden]: ffn_gate_exps | ffn_up_exps along dim 1
+    down: torch.Tensor  # [n_expert, hidden, ffn_expert]
+    shared_gate_up: Weight | None = None  # [2 ffn_shared, hidden] (qwen2moe)
+    shared_down: Weight | None = None  # [hidden, ffn_shared]
+    shared_gate: torch.Tensor | None = None  # [1, hidden] (ffn_gate_inp_shexp)
+
+    def tensors(self) -> list[Weight]:
+        return [t for t in vars(self).values() if t is not None]
 
 
 @dataclass
@@ -42,8 +87,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     wo: Weight  # [hidden, q]
     ffn_norm: torch.Tensor
-    w_gate_up: Weight  # [2 ffn, hidden]
-    w_down: Weight  # [hidden, ffn]
+    w_gate_up: Weight | None  # [2 ffn, hidden]; None in a mixture-of-experts layer
+    w_down: Weight | None  # [hidden, ffn]
+    experts: ExpertWeights | None = None  # a mixture-of-experts layer's feed-forward
 
 
 @dataclass
@@ -59,7 +105,8 @@ class ModelWeights:
         total = 0
         tensors = [self.embed, self.out_norm, self.output]
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
+            tensors += [t for t in vars(layer).values() if t is not None and not isinstance(t, ExpertWeights)]
+            tensors += layer.experts.tensors() if layer.experts is not None else []
         for t in tensors:
             key = t.words.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
             if key not in seen:
@@ -71,15 +118,18 @@ class ModelWeights:
 def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
     """With "q8", every float matrix of every layer and the output matrix quantized, in place.
 
-    The embedding stays a float table: one row of it is read per token.
+    The embedding stays a float table: one row of it is read per token; so do stacked expert tensors
+    (ExpertWeights), while a shared expert's matrices are quantized.
     """
     if resolve_weight_format(weight_format) != "q8":
         return weights
     for layer in weights.layers:
-        for name in MATRICES:
-            w = getattr(layer, name)
-            if not isinstance(w, QuantWeight):
-                setattr(layer, name, quantize_q8(w))
+        holders = [(layer, MATRICES)] + ([(layer.experts, ("shared_gate_up", "shared_down"))] if layer.experts else [])
+        for holder, names in holders:
+            for name in names:
+                w = getattr(holder, name)
+                if w is not None and not isinstance(w, QuantWeight):
+                    setattr(holder, name, quantize_q8(w))
     if not isinstance(weights.output, QuantWeight):
         weights.output = quantize_q8(weights.output)
     return weights
@@ -96,10 +146,19 @@ def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     if not config.tied_embeddings:
         names.append("output.weight")
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                 "ffn_down"]
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"]
+    in_file = set(gguf.tensor_names())
     for i in range(config.n_layers):
         names += [f"blk.{i}.{n}.weight" for n in per_layer]
+        if is_moe_layer(in_file, i):
+            roles = ["router", "gate", "up", "down"]
+            if moe_tensor_name("shared_gate_proj", i) in in_file:
+                roles += list(SHARED_MATRICES)
+            if moe_tensor_name("shared_gate", i) in in_file:
+                roles.append("shared_gate")
+            names += [moe_tensor_name(role, i) for role in roles]
+        else:
+            names += [f"blk.{i}.{n}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")]
         if config.qkv_bias:
             names += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
         if config.qk_norm:
@@ -108,7 +167,12 @@ def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
 
 
 MATRIX_SUFFIXES = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".attn_output.weight", ".ffn_gate.weight",
-                   ".ffn_up.weight", ".ffn_down.weight")
+                   ".ffn_up.weight", ".ffn_down.weight", ".ffn_gate_shexp.weight", ".ffn_up_shexp.weight",
+                   ".ffn_down_shexp.weight")
+
+
+EXPERT_SUFFIXES = tuple(TENSOR_NAMES[t].removeprefix("blk.{bid}") + ".weight"
+                        for t in (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP))
 
 
 def _is_matrix(name: str) -> bool:
@@ -119,6 +183,32 @@ def _load_packed(gguf: GGUFFile, name: str, device: torch.device | str) -> Quant
     """A block-quantized matrix of the file packed for the quantized kernels; None for other types."""
     ints = gguf.load_quant(name, device)
     return None if ints is None else QuantWeight.from_ints(ints.q, ints.scale, ints.mins, ints.group)
+
+
+def _expert_weights(t: dict[str, Weight], layer: int, config: ModelConfig, dtype: torch.dtype) -> ExpertWeights:
+    """Layer `layer`'s MoE tensors out of the loaded ones `t` (gate and up fused along dim 1, like the
+    dense [gate | up]); the parts are removed from `t` as they are fused."""
+
+    def take(role: str) -> Weight | None:
+        return t.pop(moe_tensor_name(role, layer), None)
+
+    gate, up, down = take("gate"), take("up"), take("down")
+    assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)
+    n_expert, ffn, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (n_expert, hidden, ffn) or hidden != config.hidden:
+        raise SpecserveError(f"layer {layer}: expert tensors of shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
+                             f"{tuple(down.shape)} do not fit a hidden size of {config.hidden}")
+    router = take("router")
+    assert isinstance(router, torch.Tensor)
+    if router.shape != (n_expert, hidden):
+        raise SpecserveError(f"layer {layer}: router of shape {tuple(router.shape)} for {n_expert} experts")
+    shared_gate_up = None
+    if moe_tensor_name("shared_gate_proj", layer) in t:
+        shared_gate_up = _fuse([take("shared_gate_proj"), take("shared_up")], dtype)  # type: ignore[list-item]
+    shared_gate = take("shared_gate")
+    return ExpertWeights(router=router, gate_up=torch.cat([gate, up], dim=1), down=down,
+                         shared_gate_up=shared_gate_up, shared_down=take("shared_down"),
+                         shared_gate=None if shared_gate is None else shared_gate.reshape(1, hidden))
 
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
@@ -142,6 +232,10 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
             return quant
 
         t = dict(zip(names, pool.map(load, names), strict=True))
+    n_experts = sum(name.endswith(EXPERT_SUFFIXES) for name in names)
+    if n_experts and weight_format != "float":
+        log.warning("the %d stacked expert tensors load as float (%s): the %s weight format packs 2-D matrices "
+                    "only", n_experts, dtype, weight_format)
         if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
             t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
             bar.update(1)
@@ -155,6 +249,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         bqkv = None
         if config.qkv_bias:
             bqkv = torch.cat([t[p + "attn_q.bias"], t[p + "attn_k.bias"], t[p + "attn_v.bias"]])
+        dense = not is_moe_layer(t, i)
         layers.append(
             LayerWeights(
                 attn_norm=t[p + "attn_norm.weight"],
@@ -164,11 +259,12 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                 k_norm=opt(p + "attn_k_norm.weight"),
                 wo=t[p + "attn_output.weight"],
                 ffn_norm=t[p + "ffn_norm.weight"],
-                w_gate_up=_fuse([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], dtype),
-                w_down=t[p + "ffn_down.weight"],
+                w_gate_up=_fuse([t.pop(p + "ffn_gate.weight"), t.pop(p + "ffn_up.weight")], dtype) if dense else None,
+                w_down=t[p + "ffn_down.weight"] if dense else None,
+                experts=None if dense else _expert_weights(t, i, config, dtype),
             )
         )
-        for suffix in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
+        for suffix in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
             del t[p + suffix]  # the fused copies replace them; free the parts now
     embed = t["token_embd.weight"]
     output = t.get("output.weight", embed)

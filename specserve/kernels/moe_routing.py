@@ -1,0 +1,99 @@
+"""Mixture-of-experts routing: router logits [n_tokens, n_expert] -> each token's k expert ids and weights.
+
+One reference covers every variant of spec/moe-routing.md: softmax or sigmoid gating, an expert bias
+that steers selection only, top-k with ties to the lower expert id, normalisation by max(sum, clamp), a
+scale, and delayed softmax (top-k on the raw logits, then softmax over the k chosen). `route` is the
+entry the model calls; `Routing` holds one model's choice of variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import SpecserveError
+
+GATINGS = ("softmax", "sigmoid")
+# The floor under the sum of the chosen weights before dividing by it (llama.cpp's: the smallest normal
+# fp16, 2^-14), so a token whose chosen experts all score ~0 does not divide to inf.
+NORM_CLAMP = 2.0**-14
+
+
+def top_k_lower_id(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [n, k] of each row's k largest values, largest first; equal values go to the lower id.
+
+    A stable descending sort keeps equal values in id order, which is exactly the tie rule
+    (torch.topk leaves the order of equal values unspecified). Adding 0.0 turns -0.0 into +0.0, which a
+    radix sort (CUDA's) would otherwise order apart."""
+    return torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _check(logits: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None, norm: bool,
+           delayed_softmax: bool) -> None:
+    if logits.dim() != 2:
+        raise SpecserveError(f"router logits must be [n_tokens, n_expert], got shape {tuple(logits.shape)}")
+    n_expert = logits.shape[1]
+    if not 1 <= k <= n_expert:
+        raise SpecserveError(f"cannot route to {k} of {n_expert} experts")
+    if gating not in GATINGS:
+        raise SpecserveError(f"unknown MoE gating '{gating}' (choose from {', '.join(GATINGS)})")
+    if bias is not None and bias.shape != (n_expert,):
+        raise SpecserveError(f"expert bias must have shape ({n_expert},), got {tuple(bias.shape)}")
+    if delayed_softmax and (gating != "softmax" or norm or bias is not None):
+        # The spec defines the bias on gated probabilities, which delayed softmax has none of before selection.
+        raise SpecserveError("delayed softmax takes softmax gating, without normalisation or expert bias")
+
+
+def route_ref(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | None = None, norm: bool = False,
+              clamp: float = NORM_CLAMP, scale: float = 1.0,
+              delayed_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `route`, computed in fp32."""
+    _check(logits, k, gating, bias, norm, delayed_softmax)
+    x = logits.float()
+    if delayed_softmax:
+        ids = top_k_lower_id(x, k)
+        weights = torch.softmax(x.gather(1, ids), dim=-1)
+    else:
+        probs = torch.softmax(x, dim=-1) if gating == "softmax" else torch.sigmoid(x)
+        ids = top_k_lower_id(probs if bias is None else probs + bias.float(), k)
+        weights = probs.gather(1, ids)  # the un-biased gated values of the chosen experts
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=clamp)
+    if scale != 1.0:
+        weights = weights * scale
+    return ids, weights
+
+
+def route(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | None = None, norm: bool = False,
+          clamp: float = NORM_CLAMP, scale: float = 1.0,
+          delayed_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts: ids [n, k] (long, largest weight first, ties to the lower id) and weights
+    [n, k] (fp32).
+
+    gating: "softmax" or "sigmoid" over the logits. bias [n_expert]: added to the gated values for
+    selection only; the weights are the un-biased gated values. norm: weights divided by max(their sum,
+    clamp). scale: weights multiplied by it. delayed_softmax: top-k on the raw logits, then softmax over
+    the k chosen (softmax gating, without norm or bias).
+
+    This is the dispatch point for a fused routing kernel (one launch for the gate, top-k and weight
+    arithmetic, on the shapes spec/moe-routing.md lists): it would be chosen here and fall back to
+    `route_ref` elsewhere. None exists yet, so every call runs the reference."""
+    return route_ref(logits, k, gating=gating, bias=bias, norm=norm, clamp=clamp, scale=scale,
+                     delayed_softmax=delayed_softmax)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One model's routing variant (the keyword arguments of `route`), applied to router logits."""
+
+    k: int
+    gating: str = "softmax"
+    bias: torch.Tensor | None = None
+    norm: bool = False
+    scale: float = 1.0
+    delayed_softmax: bool = False
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, self.k, gating=self.gating, bias=self.bias, norm=self.norm, scale=self.scale,
+                     delayed_softmax=self.delayed_softmax)

@@ -1,0 +1,183 @@
+"""MoE routing (kernels.moe_routing) against an independent numpy selection and HF transformers' routers.
+
+`route` (the dispatch point a fused kernel will take) is checked against `route_ref` on every shape the
+spec lists; on the CPU both are the reference, on a GPU with a fused kernel this is the kernel's test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.errors import SpecserveError
+from specserve.kernels.moe_routing import Routing, route, route_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN = 32
+VARIANTS = {  # spec/moe-routing.md's variants as route's keyword arguments ("bias": a random expert bias)
+    "softmax": dict(gating="softmax"),
+    "softmax_norm": dict(gating="softmax", norm=True),
+    "sigmoid_scale": dict(gating="sigmoid", scale=2.5),
+    "sigmoid_bias_norm_scale": dict(gating="sigmoid", bias=True, norm=True, scale=2.5),
+    "delayed_softmax": dict(gating="softmax", delayed_softmax=True),
+}
+# n_expert: the powers of two 8..512 and 576; k 1..8; 1 to 4096 tokens (one size per n_expert, all sizes covered)
+SHAPES = [(8, 1, 1), (8, 8, 5), (16, 2, 4096), (32, 3, 37), (64, 4, 1), (128, 8, 4096), (256, 5, 37),
+          (512, 6, 1), (576, 7, 4096), (576, 8, 3)]
+
+
+def expected(logits: torch.Tensor, k: int, bias: torch.Tensor | None, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """The spec's routing in numpy: the gated values from torch (one rounding), selection by lexsort on
+    (-value, id), the weight arithmetic in float64."""
+    x = logits.float()
+    gates = {"softmax": lambda v: torch.softmax(v, -1), "sigmoid": torch.sigmoid}
+    gated = x if kw.get("delayed_softmax") else gates[kw["gating"]](x)
+    choice = (gated if bias is None else gated + bias.float()).cpu().numpy()
+    ids_col = np.broadcast_to(np.arange(choice.shape[1]), choice.shape)
+    ids = np.lexsort((ids_col, -choice), axis=-1)[:, :k]
+    w = np.take_along_axis(gated.cpu().numpy().astype(np.float64), ids, axis=1)
+    if kw.get("delayed_softmax"):
+        w = np.exp(w - w.max(1, keepdims=True))
+        w /= w.sum(1, keepdims=True)
+    if kw.get("norm"):
+        w /= np.maximum(w.sum(1, keepdims=True), 2.0**-14)
+    return ids, w * kw.get("scale", 1.0)
+
+
+def make_inputs(n: int, n_expert: int, variant: str, ties: bool, seed: int) -> tuple[torch.Tensor, dict]:
+    """Logits (ties: small integers, so most values tie exactly) and route's keyword arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    if ties:
+        logits = torch.randint(-2, 3, (n, n_expert), generator=gen).float()
+    else:
+        logits = torch.randn(n, n_expert, generator=gen) * 3
+    kw = dict(VARIANTS[variant])
+    if kw.pop("bias", False):  # on ties, multiples of 1/4: sums with tied gated values tie too
+        bias = torch.randint(-2, 3, (n_expert,), generator=gen) / 4 if ties else torch.randn(n_expert, generator=gen)
+        kw["bias"] = bias.to(DEVICE)
+    return logits.to(DEVICE), kw
+
+
+def check(logits: torch.Tensor, k: int, kw: dict) -> None:
+    ids, weights = route(logits, k, **kw)
+    assert ids.dtype == torch.long and weights.dtype == torch.float32 and ids.shape == weights.shape == (len(logits), k)
+    ref_ids, ref_weights = route_ref(logits, k, **kw)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=0)
+    want_ids, want_weights = expected(logits, k, **kw)
+    np.testing.assert_array_equal(ref_ids.cpu().numpy(), want_ids)
+    np.testing.assert_allclose(ref_weights.cpu().numpy(), want_weights, rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n_expert,k,n_tokens", SHAPES)
+def test_route_shapes(variant: str, n_expert: int, k: int, n_tokens: int) -> None:
+    logits, kw = make_inputs(n_tokens, n_expert, variant, ties=False, seed=n_expert + k)
+    kw.setdefault("bias", None)
+    check(logits, k, kw)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n_expert,k", [(8, 2), (64, 8), (576, 5)])
+def test_exact_ties_go_to_the_lower_id(variant: str, n_expert: int, k: int) -> None:
+    logits, kw = make_inputs(300, n_expert, variant, ties=True, seed=k)
+    kw.setdefault("bias", None)
+    check(logits, k, kw)
+    # All experts equal: the first k ids, in order, whatever the variant.
+    ids, _ = route(torch.zeros(3, n_expert, device=DEVICE), k, **{**kw, "bias": None})
+    assert ids.tolist() == [list(range(k))] * 3
+
+
+def test_signed_zeros_tie() -> None:
+    logits = torch.tensor([[0.0, -0.0, 0.0, -0.0, -1.0]], device=DEVICE)
+    ids, weights = route(logits, 4, gating="softmax", delayed_softmax=True)
+    assert ids.tolist() == [[0, 1, 2, 3]]
+    torch.testing.assert_close(weights, torch.full((1, 4), 0.25, device=DEVICE))
+
+
+def test_norm_clamps_the_sum() -> None:
+    logits = torch.full((2, 8), -30.0, device=DEVICE)  # sigmoid ~1e-13 each: the sum is below the clamp
+    _, weights = route(logits, 2, gating="sigmoid", norm=True, clamp=1e-3)
+    torch.testing.assert_close(weights, torch.sigmoid(logits[:, :2]) / 1e-3)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(gating="relu"), "unknown MoE gating"),
+    (dict(gating="sigmoid", delayed_softmax=True), "delayed softmax"),
+    (dict(gating="softmax", norm=True, delayed_softmax=True), "delayed softmax"),
+    (dict(gating="softmax", bias=torch.zeros(8), delayed_softmax=True), "delayed softmax"),
+    (dict(gating="softmax", bias=torch.zeros(7)), "expert bias"),
+])
+def test_bad_variants_are_refused(kw: dict, message: str) -> None:
+    with pytest.raises(SpecserveError, match=message):
+        route(torch.zeros(2, 8), 2, **kw)
+    with pytest.raises(SpecserveError, match="cannot route"):
+        route(torch.zeros(2, 8), 9, gating="softmax")
+
+
+# -- against HF transformers' own routers, built with random weights ------------------------------------------
+
+
+def hf_router(name: str, n_expert: int, k: int):
+    """(router module with random weights, its logits function, our Routing) for one HF router class."""
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    common = dict(hidden_size=HIDDEN, num_experts_per_tok=k)
+    if name.startswith(("qwen3", "qwen2")):
+        norm = name.endswith("_norm")
+        config_cls, router_cls = (Qwen3MoeConfig, Qwen3MoeTopKRouter) if name.startswith("qwen3") else (
+            Qwen2MoeConfig, Qwen2MoeTopKRouter)
+        router = router_cls(config_cls(**common, num_experts=n_expert, norm_topk_prob=norm))
+        routing = Routing(k, "softmax", norm=norm)
+    elif name == "mixtral":
+        router = MixtralTopKRouter(MixtralConfig(**common, num_local_experts=n_expert))
+        routing = Routing(k, "softmax", norm=True)
+    elif name.startswith("deepseek_v3"):
+        # One group, chosen whole (n_group=1, topk_group=1): HF's group-limited selection then admits every
+        # expert, which is the spec's plain top-k; groups with topk_group < n_group are outside the spec.
+        norm = name.endswith("_norm")
+        router = DeepseekV3TopkRouter(DeepseekV3Config(**common, n_routed_experts=n_expert, n_group=1, topk_group=1,
+                                                       norm_topk_prob=norm, routed_scaling_factor=2.5))
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(torch.randn(n_expert) * 0.5)
+        routing = Routing(k, "sigmoid", bias=router.e_score_correction_bias, norm=norm, scale=2.5)
+    else:
+        router = GptOssTopKRouter(GptOssConfig(**common, num_local_experts=n_expert))
+        with torch.no_grad():
+            router.bias.copy_(torch.randn(n_expert))
+        routing = Routing(k, "softmax", delayed_softmax=True)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(n_expert, HIDDEN))
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, router.weight, getattr(router, "bias", None))
+
+    return router, logits, routing
+
+
+HF_ROUTERS = ["qwen3", "qwen3_norm", "qwen2", "qwen2_norm", "mixtral", "deepseek_v3", "deepseek_v3_norm", "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", HF_ROUTERS)
+@pytest.mark.parametrize("n_expert,k", [(8, 2), (64, 8), (128, 1), (576, 6)])
+def test_against_hf_router(name: str, n_expert: int, k: int) -> None:
+    torch.manual_seed(n_expert + k)
+    router, logits_of, routing = hf_router(name, n_expert, k)
+    h = torch.randn(65, HIDDEN)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = router(h)
+        ids, weights = routing(logits_of(h))
+    if name.startswith("deepseek_v3"):  # HF's topk(sorted=False): compare each token's experts in id order
+        hf_ids, order = hf_ids.sort(dim=1)
+        hf_weights = hf_weights.gather(1, order)
+        ids, order = ids.sort(dim=1)
+        weights = weights.gather(1, order)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights.float(), rtol=1e-5, atol=0)
