@@ -6,6 +6,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,13 @@ class FakeStep:
         pass
 
 
+@dataclass
+class FakeConfig:
+    vocab_size: int
+    context_length: int
+    hidden: int = 8
+
+
 class FakeRunner:
     """The Runner protocol without a model: row i's argmax is its token + 1."""
 
@@ -44,6 +52,7 @@ class FakeRunner:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.weight_format, self.max_step_rows = "float", None
         self.gguf = type("G", (), {"path": Path("fake.gguf"), "metadata": {"general.architecture": "fake"}})()
+        self.config, self.file_bytes = FakeConfig(vocab, n_ctx), 1
 
     def launch(self, batch: Batch, fed: Any = None, logits: bool = True) -> FakeStep:
         self.ledger.admit(batch, fed)

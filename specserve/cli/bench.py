@@ -127,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "acceptance": round(acc, 4), "tokens_per_step": round(stats.tokens_per_step, 3),
                         "identical": out == none_out}
     result.update({"code_edit_none": round(none_rate, 1), "code_edit_spec": spec_rows})
-    if not args.no_hf:
+    if not args.no_hf and args.remote is None:  # (HF needs the file here)
         hf = hf_decode_rate(catalog.resolve(args.model), runner.device, code_edit[0][:64], args.n_gen)
         rows.append((f"tg{args.n_gen} HF transformers", hf, f"specserve x{tg / hf:.1f}"))
         result.update(hf_tg=round(hf, 1), ratio_to_hf=round(tg / hf, 2))
