@@ -66,11 +66,11 @@ def write_model(path: Path, arch: str) -> None:
 
 
 def test_registry_lists_the_families() -> None:
-    assert set(FAMILIES) == set(FEATURES)
+    assert set(FAMILIES) == set(FEATURES) | {"qwen2moe", "qwen3moe"}  # (the MoE ones: tests/test_moe_models.py)
 
 
 def test_unknown_architecture_is_refused_by_name() -> None:
-    message = "unsupported model architecture 'gpt2' (supported: llama, qwen2, qwen3)"
+    message = "unsupported model architecture 'gpt2' (supported: llama, qwen2, qwen3, qwen2moe, qwen3moe)"
     with pytest.raises(SpecserveError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_gguf({"general.architecture": "gpt2"}, set())
     with pytest.raises(SpecserveError, match="unsupported model architecture 'None'"):

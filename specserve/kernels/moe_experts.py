@@ -70,7 +70,7 @@ class SharedExpert:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         y = feed_forward(h, self.w_gate_up, self.w_down)
-        return y if self.gate is None else y * torch.sigmoid(linear(h, self.gate))
+        return y if self.gate is None else y * torch.sigmoid(F.linear(h, self.gate))  # (one output column)
 
 
 @dataclass
