@@ -386,6 +386,8 @@ def test_serve_defaults_and_env_parsing(monkeypatch: pytest.MonkeyPatch) -> None
     (["-np", "0"], "parallel"),
     (["-c", "40", "-np", "4"], "per slot"),
     (["--port", "70000"], "not a TCP port"),
+    (["--max-queue", "-1"], "--max-queue"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
 ])
 def test_serve_refuses_bad_flags(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     from specserve.cli import main

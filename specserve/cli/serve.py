@@ -60,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or X-Api-Key)")
     g.add_argument("-a", "--alias", default=None, help="model name shown by the API (default: the model name)")
+    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 (default 8 MiB)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="generation requests that may wait for a free slot; more get 503 with Retry-After "
+                        "(default 256)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     add_sampling_args(p)
     add_spec_args(p)
@@ -85,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         n_batch=args.batch_size, n_predict=args.n_predict, device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
+        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
     )
     check_settings(settings)

@@ -7,7 +7,6 @@ queued in the scheduler, and their events come back through an asyncio queue per
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -15,21 +14,22 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
-from specserve.engine.tasks import Chunk, Event, Failure, Result, Task, TaskHandle
+from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.server import metrics
 from specserve.server.engine import Engine, ServerSettings
+from specserve.server.errors import Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
+from specserve.server.limits import Admission, BodyLimitMiddleware
 from specserve.server.schemas import (
     ApplyTemplateRequest,
     ChatRequest,
@@ -39,25 +39,18 @@ from specserve.server.schemas import (
     TokenizeRequest,
     parse_body,
 )
+from specserve.server.streaming import respond
+from specserve.server.tokenizing import json_list
 
 log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}  # no API key needed (as llama-server)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"code": status, "message": message, "type": ERROR_TYPES.get(status, "server_error")}}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
 
 
 @dataclass
 class ServerState:
     settings: ServerSettings
+    admission: Admission
     api_key: str | None = None
     engine: Engine | None = None
     load_error: str | None = None
@@ -94,99 +87,65 @@ class GateMiddleware:
         return bool(given) and hmac.compare_digest(given.encode(), (self.state.api_key or "").encode())
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+# What a generation route does in a worker thread: parse, template, tokenize, build the task and its format.
+Builder = Callable[[Engine, bytes], tuple[Task, Format, bool]]
 
 
-class ClientGone(Exception):
-    pass
+def _build_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
+    req = parse_body(CompletionRequest, body)
+    prompt = engine.tokenize_prompt(req.prompt)
+    n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
+    task = engine.make_task(req, prompt, n_predict, req.n_probs)
+    return task, NativeFormat(engine, task, req.return_tokens), req.stream
 
 
-_DISCONNECTED = object()
+def _build_v1_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
+    req = parse_body(OpenAICompletionRequest, body)
+    prompt = engine.tokenize_prompt(req.prompt)
+    task = engine.make_task(req, prompt, req.max_tokens, req.logprobs or 0)
+    echo = ""
+    if req.echo:
+        echo = req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(prompt)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return task, CompletionFormat(engine, task, echo, include_usage), req.stream
 
 
-def _subscribe(engine: Engine, task: Task) -> tuple[TaskHandle, asyncio.Queue[Any]]:
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    return engine.scheduler.submit(task, emit), queue
-
-
-async def _watch_disconnect(request: Request, handle: TaskHandle, queue: asyncio.Queue[Any]) -> None:
-    """The body is read already, so the next ASGI message is the client hanging up."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            handle.cancel()
-            queue.put_nowait(_DISCONNECTED)
-            return
+def _build_chat(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
+    req = parse_body(ChatRequest, body)
+    prompt = engine.chat_prompt(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    n_probs = (req.top_logprobs or 1) if req.logprobs else 0
+    task = engine.make_task(req, prompt, max_tokens, n_probs)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return task, ChatFormat(engine, task, include_usage), req.stream
 
 
-async def _collect(request: Request, engine: Engine, task: Task) -> tuple[list[Chunk], Result]:
-    handle, queue = _subscribe(engine, task)
-    watcher = asyncio.create_task(_watch_disconnect(request, handle, queue))
-    try:
-        chunks: list[Chunk] = []
-        while True:
-            event = await queue.get()
-            if isinstance(event, Chunk):
-                chunks.append(event)
-            elif isinstance(event, Result):
-                return chunks, event
-            elif isinstance(event, Failure):
-                raise RuntimeError(event.message)
-            else:
-                raise ClientGone()
-    finally:
-        watcher.cancel()
-        handle.cancel()  # no-op when finished; frees the slot when the request was abandoned
+def _tokenize(engine: Engine, body: bytes) -> bytes:
+    req = parse_body(TokenizeRequest, body)
+    tok = engine.tokenizer
+    ids = engine.encoder.encode(req.content, add_special=req.add_special, parse_special=req.parse_special)
+    if not req.with_pieces:
+        return json_list("tokens", ids)
+    pieces = []
+    for i in ids:
+        raw = tok.token_bytes(i)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)  # a partial character: llama-server sends the bytes
+        pieces.append({"id": i, "piece": piece})
+    return json_list("tokens", pieces)
 
 
-async def _stream(engine: Engine, task: Task, fmt: Format) -> AsyncIterator[str]:
-    handle, queue = _subscribe(engine, task)
-    try:
-        for obj in fmt.start():
-            yield sse(obj)
-        while True:
-            event = await queue.get()
-            if isinstance(event, Chunk):
-                obj = fmt.chunk(event)
-                if obj is not None:
-                    yield sse(obj)
-            elif isinstance(event, Result):
-                for obj in fmt.final(event):
-                    yield sse(obj)
-                break
-            else:
-                yield sse(error_body(500, event.message))
-                break
-        if fmt.done_marker:
-            yield "data: [DONE]\n\n"
-    finally:
-        # Runs also when Starlette cancels the stream because the client disconnected.
-        handle.cancel()
-
-
-async def _respond(request: Request, engine: Engine, task: Task, fmt: Format, stream: bool) -> Response:
-    if stream:
-        return StreamingResponse(_stream(engine, task, fmt), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        chunks, result = await _collect(request, engine, task)
-    except ClientGone:
-        return Response(status_code=499)
-    except RuntimeError as exc:
-        return error_response(500, str(exc))
-    return JSONResponse(fmt.body(chunks, result))
+def _detokenize(engine: Engine, body: bytes) -> bytes:
+    req = parse_body(DetokenizeRequest, body)
+    return json.dumps({"content": engine.tokenizer.decode(req.tokens)}, ensure_ascii=False).encode()
 
 
 def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: Engine | None = None,
                on_load_error: Callable[[str], None] | None = None, progress: bool = True) -> FastAPI:
     """The app; without `engine` the model loads in a background thread at startup."""
-    state = ServerState(settings, api_key or None, engine)
+    state = ServerState(settings, Admission(settings.n_parallel, settings.max_queue), api_key or None, engine)
 
     def load() -> None:
         try:
@@ -210,6 +169,7 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
                   openapi_url=None)
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outside the gate: first
     _add_error_handlers(app)
     _add_routes(app, state)
     return app
@@ -219,6 +179,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpecserveError)
     async def bad_request(request: Request, exc: SpecserveError) -> JSONResponse:
         return error_response(400, str(exc))
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: Request, exc: Unavailable) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -247,66 +211,50 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, message)
         return JSONResponse({"status": "ok"})
 
+    async def generate(request: Request, build: Builder) -> Response:
+        ticket = state.admission.admit()  # before any work: a full queue refuses cheaply
+        try:
+            body = await request.body()
+            engine = eng()
+            task, fmt, stream = await run_in_threadpool(build, engine, body)
+            return await respond(request, engine, task, fmt, stream, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
     @app.post("/completion")
     @app.post("/completions")
     async def completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
-        engine = eng()
-        prompt = await run_in_threadpool(engine.tokenize_prompt, req.prompt)
-        n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
-        task = engine.make_task(req, prompt, n_predict, req.n_probs)
-        return await _respond(request, engine, task, NativeFormat(engine, task, req.return_tokens), req.stream)
+        return await generate(request, _build_completion)
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
-        req = parse_body(OpenAICompletionRequest, await request.body())
-        engine = eng()
-        prompt = await run_in_threadpool(engine.tokenize_prompt, req.prompt)
-        task = engine.make_task(req, prompt, req.max_tokens, req.logprobs or 0)
-        echo = ""
-        if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(prompt)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _respond(request, engine, task, CompletionFormat(engine, task, echo, include_usage), req.stream)
+        return await generate(request, _build_v1_completion)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatRequest, await request.body())
-        engine = eng()
-        prompt = await run_in_threadpool(engine.chat_prompt, req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        n_probs = (req.top_logprobs or 1) if req.logprobs else 0
-        task = engine.make_task(req, prompt, max_tokens, n_probs)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _respond(request, engine, task, ChatFormat(engine, task, include_usage), req.stream)
+        return await generate(request, _build_chat)
+
+    async def off_loop(request: Request, work: Callable[[Engine, bytes], bytes]) -> Response:
+        body = await request.body()
+        return Response(await run_in_threadpool(work, eng(), body), media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = parse_body(TokenizeRequest, await request.body())
-        tok = eng().tokenizer
-        ids = tok.encode(req.content, add_special=req.add_special, parse_special=req.parse_special)
-        if not req.with_pieces:
-            return JSONResponse({"tokens": ids})
-        pieces = []
-        for i in ids:
-            raw = tok.token_bytes(i)
-            try:
-                piece: str | list[int] = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(raw)  # a partial character: llama-server sends the bytes
-            pieces.append({"id": i, "piece": piece})
-        return JSONResponse({"tokens": pieces})
+        return await off_loop(request, _tokenize)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = parse_body(DetokenizeRequest, await request.body())
-        return JSONResponse({"content": eng().tokenizer.decode(req.tokens)})
+        return await off_loop(request, _detokenize)
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> Response:
-        req = parse_body(ApplyTemplateRequest, await request.body())
-        return JSONResponse({"prompt": await run_in_threadpool(eng().render_chat, req)})
+        def render(engine: Engine, body: bytes) -> bytes:
+            prompt = engine.render_chat(parse_body(ApplyTemplateRequest, body))
+            return json.dumps({"prompt": prompt}, ensure_ascii=False).encode()
+
+        return await off_loop(request, render)
 
     @app.get("/props")
     async def props() -> Response:

@@ -22,6 +22,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
+from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
 
@@ -43,6 +44,8 @@ class ServerSettings:
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
     remote: RemoteOptions | None = None  # run the model on a remote host
     alias: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_queue: int = 256  # generation requests waiting for a slot; more get 503
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
@@ -65,6 +68,10 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"-n/--n-predict must be -1 (unlimited) or more, got {s.n_predict}")
     if s.ctx_size is not None and s.ctx_size < 0:
         raise SpecserveError(f"-c/--ctx-size must not be negative, got {s.ctx_size}")
+    if s.max_body_bytes < 1:
+        raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
+    if s.max_queue < 0:
+        raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
     s.sampling.validate()
     s.spec.validate()
 
@@ -79,6 +86,7 @@ class Engine:
         self.runner = runner
         self.draft_runner = draft_runner
         self.tokenizer = tokenizer
+        self.encoder = TextEncoder(tokenizer)
         if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
             raise SpecserveError("the draft runner needs one sequence per slot")
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
@@ -111,13 +119,14 @@ class Engine:
     # -- prompts ------------------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[int] | list[str]) -> list[int]:
-        """A completion prompt: text (bos added as the model asks) or token ids."""
+        """A completion prompt: text (bos added as the model asks) or token ids. (CPU-heavy: call it from a
+        worker thread, as every method here that tokenizes or renders.)"""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+            return self.encoder.encode(prompt, add_special=True, parse_special=True)
         if prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise SpecserveError(f"one prompt per request, got a list of {len(prompt)}")
-            return self.tokenizer.encode(prompt[0], add_special=True, parse_special=True)  # type: ignore[arg-type]
+            return self.encoder.encode(prompt[0], add_special=True, parse_special=True)  # type: ignore[arg-type]
         bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]  # type: ignore[operator]
         if bad:
             raise SpecserveError(f"prompt token id {bad[0]} is out of range (vocabulary has "
@@ -136,7 +145,7 @@ class Engine:
 
     def chat_prompt(self, req: ChatTemplateFields) -> list[int]:
         # The template writes any bos itself, as HF's apply_chat_template does.
-        return self.tokenizer.encode(self.render_chat(req), add_special=False, parse_special=True)
+        return self.encoder.encode(self.render_chat(req), add_special=False, parse_special=True)
 
     # -- tasks --------------------------------------------------------------------------------------
 
@@ -158,8 +167,13 @@ class Engine:
         if len(prompt) >= self.n_ctx:
             raise SpecserveError(f"the prompt ({len(prompt)} tokens) is longer than the slot context allows "
                                  f"({self.n_ctx} tokens per slot, including at least one generated token)")
-        return Task(prompt=prompt, sampling=sampling, spec=spec,
-                    n_predict=s.n_predict if n_predict is None else n_predict, stop=fields.stop_list(),
+        n_predict = s.n_predict if n_predict is None else n_predict
+        # At most the tokens that fit the slot (the last generated one needs no room of its own), so
+        # the limit shown in /slots and generation_settings is one the request can reach.
+        room = self.n_ctx - len(prompt) + 1
+        if n_predict > room:
+            n_predict = room
+        return Task(prompt=prompt, sampling=sampling, spec=spec, n_predict=n_predict, stop=fields.stop_list(),
                     cache_prompt=fields.cache_prompt, n_probs=n_probs)
 
     def default_params(self) -> dict[str, object]:

@@ -45,6 +45,11 @@ class Format:
     def _piece(self, token: int) -> str:
         return self.engine.token_piece(token)
 
+    def _truncated(self, result: Result) -> bool:
+        """Stopped for want of context: also when n_predict was capped to exactly what fit (engine.make_task)."""
+        return result.context_full or (result.stop_type == "limit"
+                                       and result.n_prompt + result.n_predicted > self.engine.n_ctx)
+
 
 def token_entry(engine: Engine, token: int, logprob: float) -> dict[str, Any]:
     """A token's text, log-probability and bytes, as llama-server and OpenAI chat report them."""
@@ -78,7 +83,7 @@ class NativeFormat(Format):
         return {
             "index": 0, "id_slot": result.slot, "stop": True, "model": self.engine.model_name,
             "tokens_predicted": result.n_predicted, "tokens_evaluated": result.n_prompt,
-            "generation_settings": self.task.params_json(), "truncated": result.context_full,
+            "generation_settings": self.task.params_json(), "truncated": self._truncated(result),
             "stop_type": result.stop_type if result.stop_type != "cancelled" else "none",
             "stopping_word": result.stopping_word, "tokens_cached": result.n_prompt + result.n_predicted,
             "timings": result.timings(),

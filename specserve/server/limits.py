@@ -1,0 +1,94 @@
+"""Back-pressure: a largest request body (413) and a longest queue of generation requests (503).
+
+Both answer before the work is done: a body over the limit is refused from its Content-Length
+without being read (or as soon as that many bytes came, for chunked bodies), and a generation
+request over the queue limit is refused before it is parsed or tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specserve.engine.tasks import TaskHandle
+from specserve.server.errors import Unavailable, error_response
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the request body is larger than this server accepts ({max_bytes} bytes, --max-body-bytes)"
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # the HTTP parser refuses these before us; be safe anyway
+                return None
+    return None
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over max_bytes (pure ASGI, so streamed responses pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            # Answer without reading: the server discards the rest of the body as it arrives.
+            await error_response(413, _too_large(self.max_bytes))(scope, receive, send)
+            return
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # a chunked body: the route's exception handler answers
+                    raise StarletteHTTPException(413, _too_large(self.max_bytes))
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted generation request, from admission until its response is complete."""
+
+    admission: Admission
+    handle: TaskHandle | None = None  # set once submitted to the scheduler
+    queue: asyncio.Queue[Any] | None = None  # where its events arrive
+
+    def release(self) -> None:
+        """The response is complete or abandoned: stop the task if it still runs (a no-op once finished)."""
+        if self.handle is not None:
+            self.handle.cancel()
+        self.admission.active.discard(self)
+
+
+class Admission:
+    """Counts generation requests in the server (tokenizing, queued or running); lives on the event loop."""
+
+    def __init__(self, n_slots: int, max_queue: int):
+        self.n_slots = n_slots
+        self.max_queue = max_queue
+        self.active: set[Ticket] = set()
+
+    def admit(self) -> Ticket:
+        if len(self.active) >= self.n_slots + self.max_queue:
+            raise Unavailable(f"the server is busy: {self.n_slots} slots taken and {self.max_queue} requests "
+                              "waiting (--max-queue); retry later")
+        ticket = Ticket(self)
+        self.active.add(ticket)
+        return ticket
