@@ -21,9 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context size per sequence (default: min(model, 4096))")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
     p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
-                   help="matrices in memory: float (auto); gguf = the file's own quantization kept, 4/8-bit "
-                        "(2.5x fewer bytes than bf16, faster one-row decode on CUDA, slower verify steps); "
-                        "q8 = Q8_0-style 8-bit")
+                   help="matrices in memory: auto = gguf on a CPU with AVX-512 and a C compiler, else float; "
+                        "float = bf16 on CUDA, fp32 on CPU; gguf = the file's own quantization kept, 4/8-bit "
+                        "(fewer bytes a token: faster decode, slower verify steps on CUDA); q8 = Q8_0-style 8-bit")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -54,13 +54,14 @@ class LocalRunner:
         cuda_graphs: bool = True,
         weight_format: str = "auto",
     ):
-        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto" is "float": every matrix
+        """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": packed on a CPU with the packed-weight
+        kernel, else "float": every matrix
         in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
         gguf = GGUFFile(model_path)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or default_dtype(dev)
-        self.weight_format = resolve_weight_format(weight_format)
+        self.weight_format = resolve_weight_format(weight_format, dev)
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
         self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
         self.gguf: GGUFFile | None = gguf

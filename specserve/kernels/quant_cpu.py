@@ -71,6 +71,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def kernel_built() -> bool:
+    """Whether this machine runs the kernel (AVX-512, a compiler; built now if it was not)."""
+    return _library() is not None
+
+
 def available(x: torch.Tensor, w: QuantWeight) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
             and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and _library() is not None)
