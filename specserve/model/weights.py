@@ -238,13 +238,13 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
             return quant
 
         t = dict(zip(names, pool.map(load, names), strict=True))
+        if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
+            t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
+            bar.update(1)
     n_experts = sum(name.endswith(EXPERT_SUFFIXES) for name in names)
     if n_experts and weight_format != "float":
         log.warning("the %d stacked expert tensors load as float (%s): the %s weight format packs 2-D matrices "
                     "only", n_experts, dtype, weight_format)
-        if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
-            t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
-            bar.update(1)
 
     def opt(name: str) -> Weight | None:
         return t.get(name)
