@@ -1,0 +1,99 @@
+"""CPU speed side by side with llama.cpp on the same GGUF file, in one run: prompt processing (ppN) and
+decode (tgN) tokens/s for specserve (each weight format) and for llama.cpp through llama-cpp-python.
+
+    python benchmarks/cpu_bench.py -m smollm2-135m --threads 2
+
+llama.cpp lives in the benchmark's own environment, never a dependency of specserve; make it once with
+    python3 -m venv ~/.cache/specserve/llamacpp-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
+        ~/.cache/specserve/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
+(built from source). Both sides evaluate tokens without sampling for pp and tg, as llama-bench does; specserve's
+tg also goes through its scheduler (`bench_decode`, host work included). Prints a table, writes JSON (-o,
+default cpu_<model>.json in the cache's benchmarks folder: bench_output.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+from bench_output import output_path, print_table, write_json
+
+from specserve import catalog
+from specserve.cli.measure import bench_decode, bench_prefill
+from specserve.engine.local_runner import LocalRunner
+from specserve.gguf.tokenizer import Tokenizer
+
+LLAMA_VENV = catalog.cache_dir() / "llamacpp-venv" / "bin" / "python"
+
+LLAMA_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, pp, tg, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=path, n_ctx=pp + tg + 16, n_threads=threads, n_threads_batch=threads, n_batch=pp,
+            verbose=False, logits_all=False)
+tokens = [(i * 7919) % llm.n_vocab() for i in range(pp)]
+best_pp = best_tg = 0.0
+for _ in range(reps):
+    llm.reset()
+    t0 = time.perf_counter(); llm.eval(tokens); best_pp = max(best_pp, pp / (time.perf_counter() - t0))
+    llm.reset(); llm.eval(tokens[:16])
+    t0 = time.perf_counter()
+    for i in range(tg):
+        llm.eval([tokens[16 + i % 64]])
+    best_tg = max(best_tg, tg / (time.perf_counter() - t0))
+print(json.dumps({"pp": best_pp, "tg": best_tg}))
+"""
+
+
+def llama_cpp(path: Path, threads: int, pp: int, tg: int, reps: int) -> dict[str, float] | None:
+    if not LLAMA_VENV.exists():
+        print(f"llama.cpp skipped: no {LLAMA_VENV} (see this script's docstring)")
+        return None
+    out = subprocess.run([str(LLAMA_VENV), "-c", LLAMA_SCRIPT, str(path), str(threads), str(pp), str(tg), str(reps)],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        print(f"llama.cpp failed: {out.stderr[-2000:]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="best of")
+    ap.add_argument("--formats", default="auto,float", help="specserve weight formats to time")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = catalog.resolve(args.model)
+    rows = []
+    for fmt in args.formats.split(","):
+        runner = LocalRunner(path, device="cpu", n_ctx=args.n_prompt + args.n_gen + 64, weight_format=fmt,
+                             progress=False)
+        tok = Tokenizer.from_gguf(runner.gguf)
+        pp = bench_prefill(runner, args.n_prompt, reps=args.reps)
+        tg = max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))
+        rows.append({"engine": f"specserve {runner.weight_format}", f"pp{args.n_prompt}": round(pp, 1),
+                     f"tg{args.n_gen}": round(tg, 1)})
+        del runner
+    ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
+    if ref is not None:
+        rows.append({"engine": "llama.cpp", f"pp{args.n_prompt}": round(ref["pp"], 1),
+                     f"tg{args.n_gen}": round(ref["tg"], 1)})
+        for row in rows[:-1]:
+            row["pp_vs_llamacpp"] = round(row[f"pp{args.n_prompt}"] / ref["pp"], 2)
+            row["tg_vs_llamacpp"] = round(row[f"tg{args.n_gen}"] / ref["tg"], 2)
+    print_table(rows, ["engine", f"pp{args.n_prompt}", f"tg{args.n_gen}", "pp_vs_llamacpp", "tg_vs_llamacpp"])
+    write_json(output_path(args.output, f"cpu_{args.model}.json"),
+               {"model": args.model, "threads": args.threads, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
