@@ -112,7 +112,7 @@ def _build_v1_completion(engine: Engine, body: bytes) -> tuple[Task, Format, boo
 
 def _build_chat(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
     req = parse_body(ChatRequest, body)
-    prompt = engine.chat_prompt(req)
+    prompt = engine.chat_prompt(req, req.parse_special)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
     task = engine.make_task(req, prompt, max_tokens, n_probs)

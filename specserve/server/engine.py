@@ -21,6 +21,7 @@ from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.server.chat_tokens import ControlTokens
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
@@ -87,6 +88,7 @@ class Engine:
         self.draft_runner = draft_runner
         self.tokenizer = tokenizer
         self.encoder = TextEncoder(tokenizer)
+        self.control_tokens = ControlTokens(self.encoder)
         if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
             raise SpecserveError("the draft runner needs one sequence per slot")
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
@@ -133,19 +135,28 @@ class Engine:
                                  f"{self.tokenizer.vocab_size} tokens)")
         return list(prompt)  # type: ignore[arg-type]
 
-    def render_chat(self, req: ChatTemplateFields) -> str:
+    def _render(self, req: ChatTemplateFields, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None) -> str:
         extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
         reserved = _RESERVED_TEMPLATE_VARS & extra.keys()
         if reserved:
             raise SpecserveError(f"chat_template_kwargs must not set {', '.join(sorted(reserved))}")
-        if req.tools is not None:
-            extra["tools"] = req.tools
-        return apply_chat_template(self.tokenizer, req.template_messages(),
-                                   add_generation_prompt=req.add_generation_prompt, **extra)
+        if tools is not None:
+            extra["tools"] = tools
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                                   **extra)
 
-    def chat_prompt(self, req: ChatTemplateFields) -> list[int]:
-        # The template writes any bos itself, as HF's apply_chat_template does.
-        return self.encoder.encode(self.render_chat(req), add_special=False, parse_special=True)
+    def render_chat(self, req: ChatTemplateFields) -> str:
+        return self._render(req, req.template_messages(), req.tools)
+
+    def chat_prompt(self, req: ChatTemplateFields, parse_special: bool = False) -> list[int]:
+        """The chat's prompt tokens. Control-token text inside messages and tools is plain text unless
+        parse_special (chat_tokens.py); the template writes any bos itself, as HF's apply_chat_template does."""
+        messages, tools = req.template_messages(), req.tools
+        if parse_special or not self.control_tokens.found_in([messages, tools]):
+            return self.encoder.encode(self._render(req, messages, tools), add_special=False, parse_special=True)
+        (messages, tools), placeholders = self.control_tokens.mask([messages, tools])
+        return self.control_tokens.encode_rendered(self._render(req, messages, tools), placeholders)
 
     # -- tasks --------------------------------------------------------------------------------------
 

@@ -184,6 +184,8 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
     response_format: ResponseFormat | None = None
+    # Control-token text in messages and tools is tokenized as text unless this is true (docs/compatibility.md).
+    parse_special: bool = False
 
 
 class ApplyTemplateRequest(ChatTemplateFields):
