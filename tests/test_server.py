@@ -402,6 +402,7 @@ def test_serve_defaults_and_env_parsing(monkeypatch: pytest.MonkeyPatch) -> None
     (["--port", "70000"], "not a TCP port"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace"),
 ])
 def test_serve_refuses_bad_flags(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     from specserve.cli import main

@@ -65,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="generation requests that may wait for a free slot; more get 503 with Retry-After "
                         "(default 256)")
+    g.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests may take to finish after SIGTERM before they are ended "
+                        "(default 10)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     add_sampling_args(p)
     add_spec_args(p)
@@ -79,9 +82,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.cli.args import remote_from_args, sampling_params_from_args, spec_params_from_args
     from specserve.server.app import create_app
     from specserve.server.engine import ServerSettings, check_settings
+    from specserve.server.lifecycle import GracefulServer
 
     if not 0 <= args.port <= 65535:
         raise SpecserveError(f"--port {args.port} is not a TCP port")
+    if not args.shutdown_grace >= 0:
+        raise SpecserveError(f"--shutdown-grace must be a number of seconds (0 or more), got {args.shutdown_grace}")
     if args.threads is not None:
         if args.threads < 1:
             raise SpecserveError(f"-t/--threads must be at least 1, got {args.threads}")
@@ -112,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(settings, args.api_key, on_load_error=on_load_error)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, app.state.server.admission, args.shutdown_grace)
     print(f"specserve: starting on http://{args.host}:{args.port} — loading "
           f"{args.model or 'the default model'} (GET /health says 503 until ready)", file=sys.stderr, flush=True)
     server.run()

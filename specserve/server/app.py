@@ -29,7 +29,7 @@ from specserve.server import metrics
 from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
-from specserve.server.limits import Admission, BodyLimitMiddleware
+from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
 from specserve.server.schemas import (
     ApplyTemplateRequest,
     ChatRequest,
@@ -57,7 +57,8 @@ class ServerState:
 
 
 class GateMiddleware:
-    """API key check and 'still loading' answers, before any endpoint runs (streaming-safe pure ASGI)."""
+    """API key check, 'still loading' and 'shutting down' answers, before any endpoint runs (streaming-safe
+    pure ASGI)."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app = app
@@ -69,6 +70,9 @@ class GateMiddleware:
             return
         path = scope["path"]
         status, message = 0, ""
+        if self.state.admission.draining:  # /health too: a load balancer stops sending here
+            await Unavailable(SHUTTING_DOWN).response()(scope, receive, send)
+            return
         if self.state.api_key and path not in PUBLIC_PATHS and not self._key_ok(scope):
             status, message = 401, "Invalid API Key"
         elif self.state.engine is None and path not in ("/health", "/v1/health"):

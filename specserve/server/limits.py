@@ -1,4 +1,5 @@
-"""Back-pressure: a largest request body (413) and a longest queue of generation requests (503).
+"""Back-pressure: a largest request body (413) and a longest queue of generation requests (503); the
+register of running generation requests that a graceful shutdown waits for and then ends.
 
 Both answer before the work is done: a body over the limit is refused from its Content-Length
 without being read (or as soon as that many bytes came, for chunked bodies), and a generation
@@ -62,6 +63,16 @@ class BodyLimitMiddleware:
         await self.app(scope, counted_receive, send)
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
+@dataclass
+class Interrupted:
+    """Put in a request's event queue when the server ends it (the shutdown grace period is over)."""
+
+    message: str
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted generation request, from admission until its response is complete."""
@@ -69,6 +80,15 @@ class Ticket:
     admission: Admission
     handle: TaskHandle | None = None  # set once submitted to the scheduler
     queue: asyncio.Queue[Any] | None = None  # where its events arrive
+    interrupted: str | None = None  # why the server ended it before it was submitted
+
+    def interrupt(self, message: str) -> None:
+        """End the request now: its response says why (an error event for streams)."""
+        self.interrupted = message
+        if self.handle is not None:
+            self.handle.cancel()
+        if self.queue is not None:
+            self.queue.put_nowait(Interrupted(message))
 
     def release(self) -> None:
         """The response is complete or abandoned: stop the task if it still runs (a no-op once finished)."""
@@ -84,11 +104,20 @@ class Admission:
         self.n_slots = n_slots
         self.max_queue = max_queue
         self.active: set[Ticket] = set()
+        self.draining = False  # shutting down: admit nothing more
 
     def admit(self) -> Ticket:
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
         if len(self.active) >= self.n_slots + self.max_queue:
             raise Unavailable(f"the server is busy: {self.n_slots} slots taken and {self.max_queue} requests "
                               "waiting (--max-queue); retry later")
         ticket = Ticket(self)
         self.active.add(ticket)
         return ticket
+
+    def interrupt_all(self, message: str) -> int:
+        tickets = list(self.active)
+        for ticket in tickets:
+            ticket.interrupt(message)
+        return len(tickets)

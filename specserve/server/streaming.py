@@ -17,9 +17,9 @@ from starlette.types import Receive, Scope, Send
 
 from specserve.engine.tasks import Chunk, Event, Failure, Result, Task
 from specserve.server.engine import Engine
-from specserve.server.errors import error_body, error_response
+from specserve.server.errors import Unavailable, error_body, error_response
 from specserve.server.formats import Format
-from specserve.server.limits import Ticket
+from specserve.server.limits import Interrupted, Ticket
 
 
 def sse(obj: Any) -> str:
@@ -40,6 +40,8 @@ def _subscribe(engine: Engine, task: Task, ticket: Ticket) -> asyncio.Queue[Any]
     def emit(event: Event) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
+    if ticket.interrupted:  # ended while it was being tokenized
+        raise Unavailable(ticket.interrupted)
     ticket.queue = queue
     ticket.handle = engine.scheduler.submit(task, emit)
     return queue
@@ -68,6 +70,8 @@ async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket) 
                 return chunks, event
             elif isinstance(event, Failure):
                 raise RuntimeError(event.message)
+            elif isinstance(event, Interrupted):
+                raise Unavailable(event.message)
             else:
                 raise ClientGone()
     finally:
@@ -87,8 +91,8 @@ async def _events(queue: asyncio.Queue[Any], fmt: Format) -> AsyncIterator[str]:
             for obj in fmt.final(event):
                 yield sse(obj)
             break
-        else:
-            yield sse(error_body(500, event.message))
+        else:  # Failure, or the server ending the stream
+            yield sse(error_body(503 if isinstance(event, Interrupted) else 500, event.message))
             break
     if fmt.done_marker:
         yield "data: [DONE]\n\n"
@@ -120,6 +124,8 @@ async def respond(request: Request, engine: Engine, task: Task, fmt: Format, str
         chunks, result = await _collect(request, queue, ticket)
     except ClientGone:
         return Response(status_code=499)
+    except Unavailable as exc:
+        return exc.response()
     except RuntimeError as exc:
         return error_response(500, str(exc))
     finally:
