@@ -106,6 +106,26 @@ def test_openai_chat_and_stream_agree(client: openai.OpenAI) -> None:
     assert "".join(parts) == text
     assert finish == full.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    # The same prompt again: its tokens come from the slot's cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_starts_with_null_content(server: ServerProcess) -> None:
+    """As llama-server: the first chunk gives the role, content null (clients treat "" as text)."""
+    events = list(server.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2, "stream": True}))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert events[-1] == "[DONE]"
+
+
+def test_ignore_eos(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Say hi."}]
+    ends = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0)
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens < 48
+    past = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == 48
 
 
 def test_openai_chat_logprobs(client: openai.OpenAI) -> None:
@@ -233,7 +253,6 @@ BAD_BODIES = [
     pytest.param(b'{"prompt": [1, 2, 99999999]}', "out of range", id="token-id-range"),
     pytest.param(b'{"prompt": []}', "empty", id="empty-prompt"),
     pytest.param(b'{"prompt": "hi", "stop": [""]}', "stop", id="empty-stop"),
-    pytest.param(json.dumps({"prompt": "word " * 1500}).encode(), "slot context", id="prompt-too-long"),
 ]
 
 
@@ -248,7 +267,8 @@ def test_bad_completion_requests(server: ServerProcess, body: bytes, needle: str
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n = 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}, "slot context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                                           {"role": "assistant", "content": "b"}]}, "2 or more assistant"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
     ("/tokenize", {"content": 3}, "content"),
@@ -259,6 +279,19 @@ def test_bad_requests_other_endpoints(server: ServerProcess, path: str, body: ob
     content = json.dumps(body).encode()  # NaN becomes the non-JSON token NaN
     message = assert_error(server.post(path, content=content), 400)
     assert needle.lower() in message.lower()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/completion", {"prompt": "word " * 1500}),
+    ("/v1/completions", {"prompt": "word " * 1500}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1500}]}),
+])
+def test_prompt_over_the_context(server: ServerProcess, path: str, body: dict) -> None:
+    r = server.post(path, body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error" and err["code"] == 400 and "slot context" in err["message"]
+    assert err["n_ctx"] == SLOT_CTX and err["n_prompt_tokens"] > SLOT_CTX
 
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:

@@ -27,7 +27,7 @@ from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.server import metrics
 from specserve.server.engine import Engine, ServerSettings
-from specserve.server.errors import Unavailable, error_response
+from specserve.server.errors import ContextSizeError, Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
 from specserve.server.schemas import (
@@ -182,6 +182,8 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpecserveError)
     async def bad_request(request: Request, exc: SpecserveError) -> JSONResponse:
+        if isinstance(exc, ContextSizeError):
+            return exc.response()
         return error_response(400, str(exc))
 
     @app.exception_handler(Unavailable)

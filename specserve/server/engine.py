@@ -22,6 +22,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.chat_tokens import ControlTokens
+from specserve.server.errors import ContextSizeError
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
@@ -176,8 +177,7 @@ class Engine:
         if not prompt:
             raise SpecserveError("the prompt is empty")
         if len(prompt) >= self.n_ctx:
-            raise SpecserveError(f"the prompt ({len(prompt)} tokens) is longer than the slot context allows "
-                                 f"({self.n_ctx} tokens per slot, including at least one generated token)")
+            raise ContextSizeError(len(prompt), self.n_ctx)
         n_predict = s.n_predict if n_predict is None else n_predict
         # At most the tokens that fit the slot (the last generated one needs no room of its own), so
         # the limit shown in /slots and generation_settings is one the request can reach.
@@ -185,7 +185,7 @@ class Engine:
         if n_predict > room:
             n_predict = room
         return Task(prompt=prompt, sampling=sampling, spec=spec, n_predict=n_predict, stop=fields.stop_list(),
-                    cache_prompt=fields.cache_prompt, n_probs=n_probs)
+                    cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos)
 
     def default_params(self) -> dict[str, object]:
         s = self.settings

@@ -6,12 +6,15 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from specserve.errors import SpecserveError
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
                503: "unavailable_error"}
 
 
 def error_body(status: int, message: str, **extra: Any) -> dict[str, Any]:
+    """extra adds fields to the error object (or replaces `type`)."""
     return {"error": {"code": status, "message": message, "type": ERROR_TYPES.get(status, "server_error"), **extra}}
 
 
@@ -29,3 +32,17 @@ class Unavailable(Exception):
     def response(self) -> JSONResponse:
         return error_response(503, str(self), headers={"Retry-After": str(self.retry_after)})
 
+
+
+class ContextSizeError(SpecserveError):
+    """A prompt that leaves no room in a slot: 400 `exceed_context_size_error`, as llama-server."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+        super().__init__(f"the prompt ({n_prompt_tokens} tokens) is longer than the slot context allows "
+                         f"({n_ctx} tokens per slot, including at least one generated token)")
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    def response(self) -> JSONResponse:
+        return error_response(400, str(self), type="exceed_context_size_error",
+                              n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)

@@ -17,9 +17,10 @@ from specserve.server.engine import Engine
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 
 
-def usage(result: Result) -> dict[str, int]:
+def usage(result: Result) -> dict[str, Any]:
     return {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_predicted,
-            "total_tokens": result.n_prompt + result.n_predicted}
+            "total_tokens": result.n_prompt + result.n_predicted,
+            "prompt_tokens_details": {"cached_tokens": result.n_cached}}
 
 
 class Format:
@@ -192,7 +193,8 @@ class ChatFormat(OpenAIFormat):
         return {"index": 0, "delta": {}, "logprobs": None}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # content null, as llama-server: clients take "" for the start of the text
+        return [self._envelope({"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None,
                                 "finish_reason": None})]
 
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:

@@ -51,6 +51,7 @@ class GenerationFields(_Strict):
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     stop: str | list[str] | None = None
     cache_prompt: bool = True
+    ignore_eos: bool = False  # generate past end-of-generation tokens
     spec_type: str | None = Field(None, alias="speculative.type")
     spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)
     spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
@@ -172,6 +173,14 @@ class ChatTemplateFields(_Strict):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _one_trailing_assistant(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        # As llama-server: a last assistant message is the start of the answer; two are a mistake.
+        if len(value) >= 2 and value[-1].role == value[-2].role == "assistant":
+            raise ValueError("cannot have 2 or more assistant messages at the end of the list")
+        return value
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
