@@ -294,6 +294,18 @@ def test_prompt_over_the_context(server: ServerProcess, path: str, body: dict) -
     assert err["n_ctx"] == SLOT_CTX and err["n_prompt_tokens"] > SLOT_CTX
 
 
+def test_model_names(server: ServerProcess, client: openai.OpenAI, smollm_path) -> None:
+    for name in ("smollm2-135m", smollm_path.stem, smollm_path.name):  # served name, file stem, file name
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+        assert out.model == "smollm2-135m"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "model_not_found" and "gpt-4" in str(info.value)
+    r = server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert server.complete("Hi", n_predict=1, model="gpt-4")["tokens_predicted"] == 1  # native: not checked
+
+
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], top_p=3.0)

@@ -24,7 +24,7 @@ REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h,
 def server() -> Iterator[ServerProcess]:
     # One slot and a queue of one: the third generation request at once is refused.
     srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "1", "-c", str(SLOT_CTX),
-                        "--max-queue", "1", "--max-body-bytes", str(MAX_BODY))
+                        "--max-queue", "1", "--max-body-bytes", str(MAX_BODY), "--alias", "tiny")
     try:
         yield srv.wait_ready()
     finally:
@@ -135,3 +135,13 @@ def test_n_predict_is_capped_by_the_context(server: ServerProcess) -> None:
         assert out["tokens_predicted"] == room and out["stop_type"] == "limit" and out["truncated"] is True
     small = server.complete(prompt, n_predict=3, cache_prompt=False)
     assert small["generation_settings"]["n_predict"] == 3 and small["truncated"] is False
+
+
+def test_alias_and_catalog_name_are_model_names(server: ServerProcess) -> None:
+    assert server.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    for name in ("tiny", "smollm2-135m"):
+        r = server.post("/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+    r = server.post("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -27,7 +27,7 @@ from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.server import metrics
 from specserve.server.engine import Engine, ServerSettings
-from specserve.server.errors import ContextSizeError, Unavailable, error_response
+from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
 from specserve.server.schemas import (
@@ -105,6 +105,7 @@ def _build_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
 
 def _build_v1_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
     req = parse_body(OpenAICompletionRequest, body)
+    engine.check_model(req.model)
     prompt = engine.tokenize_prompt(req.prompt)
     task = engine.make_task(req, prompt, req.max_tokens, req.logprobs or 0)
     echo = ""
@@ -116,6 +117,7 @@ def _build_v1_completion(engine: Engine, body: bytes) -> tuple[Task, Format, boo
 
 def _build_chat(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
     req = parse_body(ChatRequest, body)
+    engine.check_model(req.model)
     prompt = engine.chat_prompt(req, req.parse_special)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
@@ -182,7 +184,7 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpecserveError)
     async def bad_request(request: Request, exc: SpecserveError) -> JSONResponse:
-        if isinstance(exc, ContextSizeError):
+        if isinstance(exc, RequestError):
             return exc.response()
         return error_response(400, str(exc))
 

@@ -22,7 +22,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.chat_tokens import ControlTokens
-from specserve.server.errors import ContextSizeError
+from specserve.server.errors import ContextSizeError, ModelNotFound
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
@@ -98,6 +98,11 @@ class Engine:
         self.created = int(time.time())
         name = settings.alias or settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
+        # What a request's `model` may say: the name shown, the alias, the catalog name or path given,
+        # and the file's name with or without .gguf.
+        given = settings.model or catalog.DEFAULT_MODEL
+        self.model_names = {self.model_name, given, Path(given).name, Path(given).stem, model_path.name,
+                            model_path.stem} | ({settings.alias} if settings.alias else set())
 
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
@@ -118,6 +123,10 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.model_names:  # absent or "": whatever is served
+            raise ModelNotFound(model, self.model_name)
 
     # -- prompts ------------------------------------------------------------------------------------
 

@@ -34,7 +34,14 @@ class Unavailable(Exception):
 
 
 
-class ContextSizeError(SpecserveError):
+class RequestError(SpecserveError):
+    """A bad request whose answer is more than a 400 with a message."""
+
+    def response(self) -> JSONResponse:
+        raise NotImplementedError
+
+
+class ContextSizeError(RequestError):
     """A prompt that leaves no room in a slot: 400 `exceed_context_size_error`, as llama-server."""
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int):
@@ -46,3 +53,13 @@ class ContextSizeError(SpecserveError):
     def response(self) -> JSONResponse:
         return error_response(400, str(self), type="exceed_context_size_error",
                               n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+
+
+class ModelNotFound(RequestError):
+    """`model` names no model this server serves: 404 with OpenAI's error (its code is a string)."""
+
+    def __init__(self, model: str, served: str):
+        super().__init__(f"The model `{model}` does not exist; this server serves `{served}`")
+
+    def response(self) -> JSONResponse:
+        return error_response(404, str(self), code="model_not_found", type="invalid_request_error", param="model")
