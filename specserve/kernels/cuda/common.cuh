@@ -37,6 +37,18 @@ __device__ __forceinline__ float silu_mul(float gate, float up) {
     float act = round_bf(__fdividef(gate, 1.0f + __expf(-gate)));
     return round_bf(act * up);
 }
+// Eight bf16 activations (four words) as floats; with SiLU, silu_mul of eight (gate, up) pairs.
+__device__ __forceinline__ void bf16x8(const unsigned* pa, float* v) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+}
+__device__ __forceinline__ void silu_mul_bf16x8(const unsigned* pa, const unsigned* pb, float* v) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
+        v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
+    }
+}
 // y (+ bias) rounded to bf16, stored as bf16 or as fp32 (logits), or added to the bf16 out (a residual
 // stream: rounded as a bf16 tensor addition rounds)
 __device__ __forceinline__ void store_out(void* out, const bf16_t* bias, int row, int n, int N, float y) {

@@ -259,14 +259,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
                         float v[8];
 #if SILU
                         const unsigned pb[4] = {gb[mm].x, gb[mm].y, gb[mm].z, gb[mm].w};
-#pragma unroll
-                        for (int h = 0; h < 4; ++h) {
-                            v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
-                            v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
-                        }
+                        silu_mul_bf16x8(pa, pb, v);
 #else
-#pragma unroll
-                        for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+                        bf16x8(pa, v);
 #if NORM
                         // RMSNorm: x * weight is staged (rounded to bf16) and 1 / rms(x) scales the row's
                         // sums at the end, from per-group sums of squares: no pass over x before staging

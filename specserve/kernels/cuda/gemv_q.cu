@@ -103,15 +103,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) gemv_q(
             float v[8];
 #if SILU
             const uint4 b = *(const uint4*)(src + K);
-            unsigned pb[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                v[2 * h] = silu_mul(lo_bf(pa[h]), lo_bf(pb[h]));
-                v[2 * h + 1] = silu_mul(hi_bf(pa[h]), hi_bf(pb[h]));
-            }
+            const unsigned pb[4] = {b.x, b.y, b.z, b.w};
+            silu_mul_bf16x8(pa, pb, v);
 #else
-#pragma unroll
-            for (int h = 0; h < 4; ++h) { v[2 * h] = lo_bf(pa[h]); v[2 * h + 1] = hi_bf(pa[h]); }
+            bf16x8(pa, v);
 #endif
             float* dst = xs + (m * CG + kk / G) * GS + kk % G;
 #pragma unroll
