@@ -332,6 +332,22 @@ def test_api_key(server: ServerProcess) -> None:
             model="x", prompt="hi", max_tokens=1)
 
 
+def test_cors(server: ServerProcess) -> None:
+    """Any origin by default (--cors-origins '*'), as llama-server: preflights need no API key."""
+    origin = {"Origin": "http://page.example"}
+    pre = httpx.options(server.url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}, timeout=10)
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    ok = server.post("/tokenize", {"content": "hi"}, headers=origin)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    denied = httpx.get(server.url + "/slots", headers=origin, timeout=10)  # the page can read the 401 too
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+
+
 # ---- disconnects --------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,8 @@ REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h,
 def server() -> Iterator[ServerProcess]:
     # One slot and a queue of one: the third generation request at once is refused.
     srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "1", "-c", str(SLOT_CTX),
-                        "--max-queue", "1", "--max-body-bytes", str(MAX_BODY), "--alias", "tiny")
+                        "--max-queue", "1", "--max-body-bytes", str(MAX_BODY), "--alias", "tiny",
+                        "--cors-origins", "http://a.example, http://b.example")
     try:
         yield srv.wait_ready()
     finally:
@@ -145,3 +146,14 @@ def test_alias_and_catalog_name_are_model_names(server: ServerProcess) -> None:
         assert r.status_code == 200 and r.json()["model"] == "tiny"
     r = server.post("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_origins_listed(server: ServerProcess) -> None:
+    def preflight(origin: str) -> httpx.Response:
+        return httpx.options(server.url + "/completion", headers={"Origin": origin,
+                                                                  "Access-Control-Request-Method": "POST"})
+
+    assert preflight("http://b.example").headers["access-control-allow-origin"] == "http://b.example"
+    assert preflight("http://evil.example").status_code == 400
+    r = httpx.get(server.url + "/health", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

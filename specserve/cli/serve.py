@@ -65,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="generation requests that may wait for a free slot; more get 503 with Retry-After "
                         "(default 256)")
+    g.add_argument("--cors-origins", default="*",
+                   help="browser origins allowed to call the API, comma-separated; '' for none (default *)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests may take to finish after SIGTERM before they are ended "
                         "(default 10)")
@@ -97,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         n_batch=args.batch_size, n_predict=args.n_predict, device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+        cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
     )
     check_settings(settings)

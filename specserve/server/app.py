@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -175,7 +176,10 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
                   openapi_url=None)
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outside the gate: first
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outside the gate
+    if settings.cors_origins:  # outermost: preflights carry no API key, and error answers need the headers too
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
     _add_error_handlers(app)
     _add_routes(app, state)
     return app

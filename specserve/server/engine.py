@@ -48,6 +48,7 @@ class ServerSettings:
     alias: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
+    cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
