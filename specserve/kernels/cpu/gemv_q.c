@@ -29,6 +29,7 @@ void q_gemv(const int32_t* words, const uint16_t* sm, const float* x_rows, const
     }
     const int groups_per_chunk = 16 / words_per_group;
     const __m512i field_mask = _mm512_set1_epi32((1 << bits) - 1);
+    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int scale_lane[16], min_lane[16];
     for (int l = 0; l < 16; ++l) {
         scale_lane[l] = 2 * (l / words_per_group);
@@ -51,9 +52,14 @@ void q_gemv(const int32_t* words, const uint16_t* sm, const float* x_rows, const
             const __m512 smv = _mm512_cvtph_ps(h);
             const __m512 scale = _mm512_permutexvar_ps(scale_idx, smv), mins = _mm512_permutexvar_ps(min_idx, smv);
             __m512 u[8];
-            for (int i = 0; i < fields; ++i)
-                u[i] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wv, _mm512_set1_epi32(bits * i)),
-                                                           field_mask));
+            if (bits == 4) {  // a permute reads only an index's low 4 bits: the nibble picks its own float
+                for (int i = 0; i < fields; ++i)
+                    u[i] = _mm512_permutexvar_ps(_mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * i)), nibbles);
+            } else {
+                for (int i = 0; i < fields; ++i)
+                    u[i] = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srlv_epi32(wv, _mm512_set1_epi32(bits * i)), field_mask));
+            }
             for (int m = 0; m < rows; ++m) {
                 const float* x = xp + ((int64_t)m * chunks + c) * fields * 16;
                 // Two chains of fmas, not one: the fields' products do not wait on each other.
