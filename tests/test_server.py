@@ -7,6 +7,8 @@ requests (temperature 0) make texts comparable.
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -346,6 +348,27 @@ def test_cors(server: ServerProcess) -> None:
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
     denied = httpx.get(server.url + "/slots", headers=origin, timeout=10)  # the page can read the 401 too
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+
+
+def test_request_log_lines(server: ServerProcess) -> None:
+    out = server.complete("The sky is", n_predict=3, cache_prompt=False)
+    events = list(server.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2, "stream": True}))
+    httpx.get(server.url + "/slots", timeout=10)  # 401: no key
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [line for line in server.log().splitlines() if "specserve.server.requests:" in line]
+        if any("GET /slots 401" in line for line in lines):
+            break
+        time.sleep(0.05)
+    n_prompt = out["tokens_evaluated"]
+    assert any(re.search(rf"POST /completion 200 tokens={n_prompt}\+3 cached=0 \d+\.\d ms$", line)
+               for line in lines), lines[-5:]
+    n_chat = events[-2]["timings"]["predicted_n"]
+    assert any(re.search(rf"POST /v1/chat/completions 200 tokens=\d+\+{n_chat} cached=\d+ ", line)
+               for line in lines), lines[-5:]
+    assert any(re.search(r"GET /slots 401 \d+\.\d ms$", line) for line in lines), lines[-5:]
+    assert not any("GET /health 200" in line for line in lines)  # health checks log at DEBUG
 
 
 # ---- disconnects --------------------------------------------------------------------------------------

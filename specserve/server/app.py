@@ -31,6 +31,7 @@ from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
+from specserve.server.request_log import RequestLogMiddleware
 from specserve.server.schemas import (
     ApplyTemplateRequest,
     ChatRequest,
@@ -177,9 +178,10 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outside the gate
-    if settings.cors_origins:  # outermost: preflights carry no API key, and error answers need the headers too
+    if settings.cors_origins:  # outside the gate: preflights carry no API key, and error answers need the headers
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)
+    app.add_middleware(RequestLogMiddleware)  # outermost: every answer is logged
     _add_error_handlers(app)
     _add_routes(app, state)
     return app

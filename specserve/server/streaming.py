@@ -20,6 +20,7 @@ from specserve.server.engine import Engine
 from specserve.server.errors import Unavailable, error_body, error_response
 from specserve.server.formats import Format
 from specserve.server.limits import Interrupted, Ticket
+from specserve.server.request_log import note_result
 
 
 def sse(obj: Any) -> str:
@@ -67,6 +68,7 @@ async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket) 
             if isinstance(event, Chunk):
                 chunks.append(event)
             elif isinstance(event, Result):
+                note_result(request.scope, event)
                 return chunks, event
             elif isinstance(event, Failure):
                 raise RuntimeError(event.message)
@@ -78,7 +80,7 @@ async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket) 
         watcher.cancel()
 
 
-async def _events(queue: asyncio.Queue[Any], fmt: Format) -> AsyncIterator[str]:
+async def _events(request: Request, queue: asyncio.Queue[Any], fmt: Format) -> AsyncIterator[str]:
     for obj in fmt.start():
         yield sse(obj)
     while True:
@@ -88,6 +90,7 @@ async def _events(queue: asyncio.Queue[Any], fmt: Format) -> AsyncIterator[str]:
             if obj is not None:
                 yield sse(obj)
         elif isinstance(event, Result):
+            note_result(request.scope, event)
             for obj in fmt.final(event):
                 yield sse(obj)
             break
@@ -119,7 +122,7 @@ async def respond(request: Request, engine: Engine, task: Task, fmt: Format, str
     the answer is complete or abandoned, e.g. when Starlette cancels a stream whose client went away."""
     queue = _subscribe(engine, task, ticket)
     if stream:
-        return TicketStream(_events(queue, fmt), ticket)
+        return TicketStream(_events(request, queue, fmt), ticket)
     try:
         chunks, result = await _collect(request, queue, ticket)
     except ClientGone:
