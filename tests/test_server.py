@@ -329,6 +329,8 @@ def test_api_key(server: ServerProcess) -> None:
     assert_error(httpx.get(server.url + "/metrics", headers={"X-Api-Key": "nope"}), 401)
     assert httpx.post(server.url + "/completion", json=body, headers={"X-Api-Key": API_KEY}).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200  # public, as in llama-server
+    schema = httpx.get(server.url + "/openapi.json")  # public: it holds nothing about the model
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).completions.create(
             model="x", prompt="hi", max_tokens=1)

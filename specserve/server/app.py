@@ -26,11 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specserve import __version__
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
-from specserve.server import metrics
+from specserve.server import metrics, openapi
 from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
+from specserve.server.openapi import operation
 from specserve.server.request_log import RequestLogMiddleware
 from specserve.server.schemas import (
     ApplyTemplateRequest,
@@ -46,7 +47,8 @@ from specserve.server.tokenizing import json_list
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}  # no API key needed (as llama-server)
+# No API key needed: as llama-server, and the schema (it holds nothing about the model).
+PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/openapi.json"}
 
 
 @dataclass
@@ -77,7 +79,7 @@ class GateMiddleware:
             return
         if self.state.api_key and path not in PUBLIC_PATHS and not self._key_ok(scope):
             status, message = 401, "Invalid API Key"
-        elif self.state.engine is None and path not in ("/health", "/v1/health"):
+        elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json"):
             status, message = 503, "Loading model"
         if status:
             await error_response(status, message)(scope, receive, send)
@@ -174,7 +176,7 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
             state.engine.shutdown()
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.server = state
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outside the gate
@@ -184,6 +186,7 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
     app.add_middleware(RequestLogMiddleware)  # outermost: every answer is logged
     _add_error_handlers(app)
     _add_routes(app, state)
+    openapi.install(app)
     return app
 
 
@@ -217,8 +220,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         assert state.engine is not None  # GateMiddleware answers 503 before this
         return state.engine
 
-    @app.get("/health")
-    @app.get("/v1/health")
+    @app.get("/health", openapi_extra=operation())
+    @app.get("/v1/health", openapi_extra=operation())
     async def health() -> Response:
         if state.engine is None:
             message = f"Loading failed: {state.load_error}" if state.load_error else "Loading model"
@@ -236,17 +239,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ticket.release()
             raise
 
-    @app.post("/completion")
-    @app.post("/completions")
+    @app.post("/completion", openapi_extra=operation(CompletionRequest, stream=True))
+    @app.post("/completions", openapi_extra=operation(CompletionRequest, stream=True))
     async def completion(request: Request) -> Response:
         return await generate(request, _build_completion)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=operation(OpenAICompletionRequest, stream=True))
     async def v1_completions(request: Request) -> Response:
         return await generate(request, _build_v1_completion)
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
+    @app.post("/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, _build_chat)
 
@@ -254,15 +257,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await request.body()
         return Response(await run_in_threadpool(work, eng(), body), media_type="application/json")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=operation(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         return await off_loop(request, _tokenize)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=operation(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         return await off_loop(request, _detokenize)
 
-    @app.post("/apply-template")
+    @app.post("/apply-template", openapi_extra=operation(ApplyTemplateRequest))
     async def apply_template(request: Request) -> Response:
         def render(engine: Engine, body: bytes) -> bytes:
             prompt = engine.render_chat(parse_body(ApplyTemplateRequest, body))
@@ -270,7 +273,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return await off_loop(request, render)
 
-    @app.get("/props")
+    @app.get("/props", openapi_extra=operation())
     async def props() -> Response:
         engine = eng()
         tok = engine.tokenizer
@@ -287,12 +290,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "build_info": f"specserve {__version__}",
         })
 
-    @app.get("/slots")
+    @app.get("/slots", openapi_extra=operation())
     async def slots() -> Response:
         return JSONResponse(eng().scheduler.slots_json())
 
-    @app.get("/models")
-    @app.get("/v1/models")
+    @app.get("/models", openapi_extra=operation())
+    @app.get("/v1/models", openapi_extra=operation())
     async def models() -> Response:
         engine = state.engine
         if engine is None:
@@ -306,6 +309,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     registry = metrics.make_registry(lambda: state.engine.scheduler.counters_snapshot() if state.engine else None)
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=operation(text=True))
     async def get_metrics() -> Response:
         return Response(metrics.render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,79 @@
+"""The OpenAPI schema (GET /openapi.json): every route with its request body and its answers.
+
+The routes read their bodies themselves (to parse them off the event loop and word errors as
+llama-server), so FastAPI sees no body parameter: each route's request schema comes from the pydantic
+model its handler parses, put in through `openapi_extra`, and the models' JSON schemas are added to the
+components once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. n_prompt_tokens and n_ctx, param
+    code: int | str
+    message: str
+    type: str
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_models: list[type[BaseModel]] = [ErrorBody]
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(ErrorBody)}}}
+
+
+def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False) -> dict[str, Any]:
+    """openapi_extra for a route: the body it parses, its 200 answer (JSON, SSE if it streams, or text)
+    and the errors any route may answer."""
+    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if stream:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    if text:
+        ok = {"text/plain": {"schema": {"type": "string"}}}
+    out: dict[str, Any] = {"responses": {
+        "200": {"description": "OK (with \"stream\": true, server-sent events)" if stream else "OK", "content": ok},
+        "401": _error("missing or wrong API key (when the server has one)"),
+        "413": _error("request body larger than --max-body-bytes"),
+        "503": _error("loading the model, queue full (--max-queue) or shutting down; see Retry-After"),
+    }}
+    if body is not None:
+        if body not in _models:
+            _models.append(body)
+        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+        out["responses"]["400"] = _error("invalid request")
+        out["responses"]["404"] = _error("unknown model (OpenAI endpoints)")
+        out["responses"]["500"] = _error("the generation failed")
+    return out
+
+
+def install(app: FastAPI) -> None:
+    """Make app.openapi() include the request models (call it after the routes are added)."""
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                              description="llama-server and OpenAI compatible inference server")
+            _, defs = models_json_schema([(m, "validation") for m in _models], ref_template=REF)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
