@@ -139,6 +139,14 @@ def test_openai_chat_logprobs(client: openai.OpenAI) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         # greedy: the chosen token is the most likely one
         assert entry.token == entry.top_logprobs[0].token
+    none = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, temperature=0, logprobs=True, top_logprobs=0)
+    assert [e.top_logprobs for e in none.choices[0].logprobs.content] == [[], []]
+    # (the prompt came from the cache this time: the same numbers up to rounding)
+    assert none.choices[0].logprobs.content[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="requires logprobs"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=1, top_logprobs=2)
 
 
 def test_openai_completions_match_native(server: ServerProcess, client: openai.OpenAI) -> None:

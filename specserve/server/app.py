@@ -127,7 +127,7 @@ def _build_chat(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
     task = engine.make_task(req, prompt, max_tokens, n_probs)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return task, ChatFormat(engine, task, include_usage), req.stream
+    return task, ChatFormat(engine, task, include_usage, req.top_logprobs or 0), req.stream
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:

@@ -181,12 +181,18 @@ class ChatFormat(OpenAIFormat):
     id_prefix = "chatcmpl-"
     object = "chat.completion.chunk"
 
+    def __init__(self, engine: Engine, task: Task, include_usage: bool = False, top_logprobs: int = 0):
+        super().__init__(engine, task, include_usage)
+        # the task computes at least one alternative; top_logprobs 0 shows none, as OpenAI
+        self.top_logprobs = top_logprobs
+
     def _logprobs(self, probs: list[TokenProb] | None) -> dict[str, Any] | None:
         if not self.task.n_probs or probs is None:
             return None
 
         entry = functools.partial(token_entry, self.engine)
-        return {"content": [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]}
+        return {"content": [{**entry(p.token, p.logprob),
+                             "top_logprobs": [entry(t, lp) for t, lp in p.top[:self.top_logprobs]]}
                             for p in probs]}
 
     def _empty_choice(self) -> dict[str, Any]:

@@ -196,6 +196,12 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
     # Control-token text in messages and tools is tokenized as text unless this is true (docs/compatibility.md).
     parse_special: bool = False
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and llama-server
+            raise ValueError("top_logprobs requires logprobs to be set to true")
+        return self
+
 
 class ApplyTemplateRequest(ChatTemplateFields):
     """POST /apply-template."""
