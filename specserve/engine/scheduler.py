@@ -158,10 +158,11 @@ class Scheduler(SlotResults):
             if self._in_flight is None:
                 return
         current = self._in_flight
-        self._in_flight = self._launch(self._plan(current)) if self.overlap and self._chainable(current) else None
-        for entry in current.live():  # while the device works: the speculators' bookkeeping
+        live = current.live()
+        self._in_flight = self._launch(self._plan(live)) if self.overlap and self._chainable(live) else None
+        for entry in live:  # while the device works: the speculators' bookkeeping
             slot = entry.slot
-            if not entry.prompt and slot.use_chain and slot.chain is not None:
+            if not entry.prompt and slot.use_chain and slot.chain is not None and slot.runs(entry.task_id):
                 try:
                     slot.chain.prepare(slot.cache)
                 except Exception as exc:
@@ -236,10 +237,10 @@ class Scheduler(SlotResults):
 
     # -- planning --------------------------------------------------------------------------------------
 
-    def _chainable(self, step: InFlight) -> bool:
-        """Whether the next step can be queued before `step` is read: each live slot in it needs only argmax
-        and carries no draft (a step's first token at a known position), and none ends for sure."""
-        live = step.live()
+    def _chainable(self, live: list[Entry]) -> bool:
+        """Whether the next step can be queued before the step in flight (its live entries) is read: each slot
+        in it needs only argmax and carries no draft (a step's first token at a known position), and none ends
+        for sure."""
         if not live and not self._queue and not any(s.state == SlotState.PROMPT for s in self.slots):
             return False
         for e in live:
@@ -254,12 +255,13 @@ class Scheduler(SlotResults):
                 return False
         return True
 
-    def _plan(self, in_flight: InFlight | None) -> Plan:
-        """The next step. With a step in flight (chainable), its slots continue from its argmax."""
+    def _plan(self, in_flight: list[Entry] | None) -> Plan:
+        """The next step. With a step in flight (chainable; its live entries), its slots continue from its
+        argmax."""
         plan = Plan()
         chained: set[int] = set()
         if in_flight is not None:
-            for e in in_flight.live():
+            for e in in_flight:
                 if not e.prompt or e.final:
                     chained.add(e.slot.id)
                     self._plan_fed(plan, e)

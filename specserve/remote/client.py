@@ -11,6 +11,7 @@ anew (the host's caches are gone, so every sequence starts empty).
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from specserve.remote.protocol import (
     recv_frame,
     send_frame,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,9 +123,7 @@ class RemoteRunner:
             self._drop()
             raise
         if hello["minor"] != VERSION[1]:
-            import logging
-
-            logging.getLogger(__name__).warning("the remote host speaks protocol %d.%d, this front %d.%d",
+            log.warning("the remote host speaks protocol %d.%d, this front %d.%d",
                                                 hello["major"], hello["minor"], *VERSION)
         self.n_seqs, self.n_ctx, self.vocab_size = info["n_seqs"], info["n_ctx"], info["vocab_size"]
         self.max_step_rows = None if info["max_step_rows"] < 0 else info["max_step_rows"]
