@@ -3,7 +3,7 @@
 # serving, slow tests; every step's JSON goes to $OUT. The GPU machine has no venv: it expects the
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
-# Usage: [FORMAT=gguf] [OUT=dir] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve remote slowtests]
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve remote slowtests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -26,8 +26,9 @@ for step in $steps; do
                   -o "$OUT/spec_${T}_cuda$sfx.json" 2>&1 | tail -22 ;;
         graphs) timeout 300 python3 benchmarks/graph_check.py -m $T -n 128 -o "$OUT/graph_check_$T.json" 2>&1 | tail -10 ;;
         serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients 1,4,16,64 \
-                   --requests 2 -n 128 --modes none,ngram-suffix --prompts "$SPECSERVE_WORKLOADS" \
-                   -o "$OUT/serve_${T}_cuda$sfx.json" --server-args --weight-format "$FORMAT" 2>&1 | tail -14 ;;
+                   --requests 2 -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
+                   ${CATEGORY:+--category "$CATEGORY"} -o "$OUT/serve_${T}_cuda$sfx${CATEGORY:+_$CATEGORY}.json" \
+                   --server-args --weight-format "$FORMAT" 2>&1 | tail -20 ;;
         remote) timeout 600 python3 benchmarks/remote_bench.py -m $T --device cuda --weight-format "$FORMAT" \
                     -o "$OUT/remote_${T}_cuda$sfx.json" 2>&1 | tail -8 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
