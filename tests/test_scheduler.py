@@ -248,3 +248,32 @@ def test_greedy_text_is_the_same_with_and_without_overlap_and_among_others(targe
             assert tokens == expected, spec
     finally:
         overlapped.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failing_speculator_fails_its_task_only(target: LocalRunner, tokenizer: Tokenizer, overlap: bool) -> None:
+    """A speculator that raises ends its own task with a clear message; the other slot's text is untouched."""
+
+    class Broken:
+        def draft(self, *args: object) -> list[int]:
+            raise RuntimeError("simulated speculator bug")
+
+        def __getattr__(self, name: str) -> object:
+            return lambda *a, **k: None
+
+    def chains(spec: SpecParams, slot: int):  # type: ignore[no-untyped-def]
+        return Broken() if spec.n_max == 7 else build_chain(spec, None, seq=slot)  # n_max 7 marks the broken one
+
+    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=chains, overlap=overlap, adaptive_drafts=False)
+    sched.start()
+    try:
+        plain = wait(submit(sched, tokenizer, PROMPTS[1], spec=SpecParams(n_max=0))[1])[0]
+        broken = submit(sched, tokenizer, PROMPTS[0], spec=SpecParams(type="ngram-simple", n_max=7))[1]
+        fine = submit(sched, tokenizer, PROMPTS[1], spec=SpecParams(type="ngram-simple"))[1]
+        _, failure = wait(broken)
+        text, result = wait(fine)
+        assert isinstance(failure, Failure) and "simulated speculator bug" in failure.message
+        assert isinstance(result, Result) and text == plain
+        assert not any(s["is_processing"] for s in sched.slots_json())
+    finally:
+        sched.shutdown()

@@ -304,8 +304,8 @@ class Scheduler(SlotResults):
             # e's result. The fed row takes one position, so one token less is left after it.
             draft = self._draft(slot, slot.cache, slot.last, slot.n_decoded + 1, 1)
         except Exception as exc:
-            self._drafting_failed(slot, exc)
-            draft = []
+            self._drafting_failed(slot, exc)  # the slot's task has ended: nothing to continue
+            return
         if draft:
             guess, rest = draft[0], draft[1:]
         plan.add_decode(slot, len(slot.cache) + 1, 0, rest, fed_row=e.last_logit_row, guess=guess)
