@@ -11,7 +11,8 @@ also works against llama-server. Speculation is switched per request: mode `none
 
 Reports aggregate generated tokens/s (all clients, wall clock), time to first token and
 inter-token latency (p50, p99; a chunk of k tokens counts as k gaps of 1/k of its delay),
-draft acceptance; prints a table and writes JSON (default benchmarks/results/).
+draft acceptance and, from the server's /metrics, the share of its multi-slot turns that the
+draft gate let draft; prints a table and writes JSON (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,7 @@ class LevelResult:
     itl_p99_ms: float
     draft_n: int
     draft_accepted: int
+    drafting_turns: float | None = None  # share of the server's multi-slot turns the draft gate let draft
 
 
 def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
@@ -131,6 +134,16 @@ async def run_level(url: str, headers: dict[str, str], prompts: list[str], clien
     )
 
 
+def gate_turns(url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """The server's draft-gate turn counters (draft, plain) from /metrics; None where it has none."""
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = dict(re.findall(r'draft_gate_turns_total\{choice="(\w+)"\} ([0-9.e+]+)', text))
+    return (float(found["draft"]), float(found["plain"])) if {"draft", "plain"} <= found.keys() else None
+
+
 def render_prompts(url: str, headers: dict[str, str], conversations: list[list[dict]]) -> list[str]:
     out = []
     for messages in conversations:
@@ -174,15 +187,16 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
 def print_table(results: list[LevelResult]) -> None:
     head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} "
-            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12}")
+            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12} {'drafting':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
         acc = f"{r.draft_accepted}/{r.draft_n}" if r.draft_n else "-"
+        drafting = f"{100 * r.drafting_turns:.0f}%" if r.drafting_turns is not None and r.mode != "none" else "-"
         print(f"{r.mode:<14} {r.clients:>7} {r.requests:>5} {r.tokens:>7} {r.tokens_per_s:>8.1f} "
               f"{r.decode_tokens_per_s:>8.1f} "
               f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
-              f"{acc:>12}")
+              f"{acc:>12} {drafting:>8}")
 
 
 def main() -> int:
@@ -220,7 +234,11 @@ def main() -> int:
         results = []
         for clients in levels:
             for mode in modes:  # modes side by side at each level: load changes hit both alike
+                before = gate_turns(url, headers)
                 res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict, mode))
+                after = gate_turns(url, headers)
+                if before and after and sum(after) > sum(before):
+                    res.drafting_turns = (after[0] - before[0]) / (sum(after) - sum(before))
                 results.append(res)
                 print(f"{mode} x{clients}: {res.tokens_per_s:.1f} tok/s", file=sys.stderr)
     finally:

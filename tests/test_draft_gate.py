@@ -55,3 +55,22 @@ def test_idle_time_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_lone_slot_always_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = DraftGate()
     assert all(simulate(monkeypatch, gate, 1, 10 * WINDOW, {True: 1, False: 50}, {True: 1.0, False: 0.001}))
+
+
+def test_turns_reading_prompts_are_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DraftGate()
+    clock = [0.0]
+    monkeypatch.setattr(draft_gate.time, "perf_counter", lambda: clock[0])
+    for turn in range(4 * WINDOW):
+        prompting = turn % 3 == 0  # every third turn also reads a prompt chunk: slow, whatever the choice
+        mode = gate.allow(4, prompting)
+        gate.count(20 if mode else 10)
+        clock[0] += 1.0 if prompting else 0.01
+    bucket = gate._buckets[draft_gate.DraftGate._key(4)]
+    assert bucket.rates[True] == pytest.approx(2000) and bucket.rates[False] == pytest.approx(1000)
+
+
+def test_draft_cap_shares_rows_among_many_slots_and_leaves_few_alone() -> None:
+    assert draft_gate.draft_cap(1) >= 16 and draft_gate.draft_cap(4) >= 16  # llama.cpp's default --draft-max
+    assert draft_gate.draft_cap(64) * 64 <= draft_gate.DRAFT_ROWS
+    assert draft_gate.draft_cap(1000) == draft_gate.MIN_DRAFT

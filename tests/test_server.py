@@ -236,6 +236,9 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
     decodes = after[("llamacpp:n_decode_total", ())] - before[("llamacpp:n_decode_total", ())]
     # the same requests one after another, as measured above: shared passes need at most half as many
     assert 2 * decodes <= alone_decodes, f"{decodes} passes together vs {alone_decodes} one at a time"
+    shared_turns = [after.get(key, 0.0) - before.get(key, 0.0) for key in
+                    [("llamacpp:draft_gate_turns_total", (("choice", c),)) for c in ("draft", "plain")]]
+    assert sum(shared_turns) > 0 and all(t >= 0 for t in shared_turns)  # the gate's choices are counted
 
 
 # ---- bad input ----------------------------------------------------------------------------------------

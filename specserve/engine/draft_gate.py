@@ -6,7 +6,11 @@ slots the host's work per step is what limits throughput and a few accepted toke
 overlap. Which side wins depends on the model, the device, the load and the text, so it is measured on the
 live load: generated tokens per second over windows of turns with drafts and without, per power-of-two
 count of generating slots, with a window of the other choice now and then to keep both figures fresh.
-A lone slot always drafts (on the code edits it gains x2 through the server).
+A lone slot always drafts (on the code edits it gains x2 through the server). Turns that read prompt rows
+are not measured: a prompt chunk costs what it costs whichever the choice, and would only add noise.
+
+With many slots the drafts of one step are also capped (`draft_cap`): a verify step's rows grow with the
+sum of all drafts, and a few drafted tokens per slot keep most of the gain at a fraction of the rows.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ from dataclasses import dataclass, field
 WINDOW = 8  # turns per measured window
 EXPLORE_EVERY = 16  # windows of the better choice between two windows of the other
 SMOOTHING = 0.5  # weight of the newest window in a rate
+DRAFT_ROWS = 128  # draft rows of one step, shared by the generating slots
+MIN_DRAFT = 2  # drafts a slot may make however many slots there are
+
+
+def draft_cap(n_slots: int) -> int:
+    """Most tokens one slot may draft in a step while n_slots generate."""
+    return max(MIN_DRAFT, DRAFT_ROWS // max(n_slots, 1))
 
 
 @dataclass
@@ -39,15 +50,16 @@ class DraftGate:
     def _key(n_slots: int) -> int:
         return max(n_slots, 1).bit_length()
 
-    def allow(self, n_slots: int) -> bool:
-        """Called at the start of every turn with the number of generating slots: may they draft?"""
+    def allow(self, n_slots: int, prompt_rows: bool = False) -> bool:
+        """Called at the start of every turn with the number of generating slots, and whether the turn reads
+        prompt rows (such turns are not measured): may the slots draft?"""
         now = time.perf_counter()
         self._close(now)
         if n_slots < 2:  # one slot: its verify steps cost little more than a decode step, drafts always pay
             self.pause()
             return True
         bucket = self._buckets.setdefault(self._key(n_slots), _Bucket())
-        self._last = (bucket, now)
+        self._last = None if prompt_rows else (bucket, now)
         return bucket.allow
 
     def pause(self) -> None:
@@ -61,7 +73,8 @@ class DraftGate:
 
     def _close(self, now: float) -> None:
         """Account the turn that just ended; at the end of a window, choose the next window's mode."""
-        if self._last is None:
+        if self._last is None:  # an unmeasured turn: its tokens are not counted either
+            self._turn_tokens = 0
             return
         bucket, start = self._last
         bucket.tokens += self._turn_tokens

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from specserve.engine.draft_gate import DraftGate
+from specserve.engine.draft_gate import DraftGate, draft_cap
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_results import SlotResults
@@ -66,6 +66,7 @@ class Scheduler(SlotResults):
         self._in_flight: InFlight | None = None
         self._gate = DraftGate() if overlap and adaptive_drafts else None
         self._drafts_allowed = True
+        self._draft_cap = draft_cap(1)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
 
     # -- public, thread-safe ---------------------------------------------------------------------
@@ -150,9 +151,17 @@ class Scheduler(SlotResults):
                     self._fail(slot, message)
 
     def _turn(self) -> None:
+        generating = sum(s.state == SlotState.GENERATING for s in self.slots)
+        self._draft_cap = draft_cap(generating)
         if self._gate is not None:
-            generating = sum(s.state == SlotState.GENERATING for s in self.slots)
-            self._drafts_allowed = self._gate.allow(generating)
+            prompting = any(s.state == SlotState.PROMPT for s in self.slots)
+            self._drafts_allowed = self._gate.allow(generating, prompting)
+        if generating > 1:
+            with self._cond:
+                if self._drafts_allowed:
+                    self.counters.turns_drafting += 1
+                else:
+                    self.counters.turns_plain += 1
         if self._in_flight is None:
             self._in_flight = self._launch(self._plan(None))
             if self._in_flight is None:
@@ -320,7 +329,7 @@ class Scheduler(SlotResults):
             return []
         room = self.n_ctx - len(history) - 1  # positions left after `last`
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room
-        limit = min(self.runner.draft_limit(spec.n_max) + ahead, left, room)
+        limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap)) + ahead, left, room)
         if limit < max(spec.n_min, 1) + ahead:
             return []
         return slot.chain.draft(history, last, limit, spec.n_min + ahead)

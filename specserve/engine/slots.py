@@ -97,6 +97,8 @@ class SchedulerCounters:
     n_tokens_max: int = 0
     requests_done: int = 0
     requests_failed: int = 0
+    turns_drafting: int = 0  # turns with two or more generating slots that were allowed to draft
+    turns_plain: int = 0  # such turns that the draft gate kept from drafting
     draft_generated: dict[str, int] = field(default_factory=dict)  # speculator name -> tokens
     draft_accepted: dict[str, int] = field(default_factory=dict)
 

@@ -41,6 +41,7 @@ class ServerSettings:
     ctx_size: int | None = None  # total over all slots, as llama-server's -c; None = 4096 per slot at most
     n_parallel: int = 4
     n_batch: int = 512
+    adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
     n_predict: int = -1
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
@@ -94,6 +95,7 @@ class Engine:
         if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
             raise SpecserveError("the draft runner needs one sequence per slot")
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
+                                   adaptive_drafts=settings.adaptive_drafts,
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
         self.n_ctx = runner.n_ctx
         self.created = int(time.time())

@@ -50,6 +50,11 @@ class SchedulerCollector(Collector):
         yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
                     c.requests_deferred)
         yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
+        turns = CounterMetricFamily(PREFIX + "draft_gate_turns", "Turns with two or more generating slots, by "
+                                    "whether the draft gate let them draft.", labels=["choice"])
+        turns.add_metric(["draft"], c.turns_drafting)
+        turns.add_metric(["plain"], c.turns_plain)
+        yield turns
         generated = CounterMetricFamily(PREFIX + "draft_tokens", "Draft tokens generated, per speculative type.",
                                         labels=["type"])
         accepted = CounterMetricFamily(PREFIX + "draft_tokens_accepted",
