@@ -59,3 +59,20 @@ def test_models_list_and_path(smollm_path: Path) -> None:
     assert "smollm2-135m" in listed.stdout and "qwen2.5-coder-1.5b" in listed.stdout
     path = run_cli("models", "path", "smollm2-135m")
     assert path.returncode == 0 and path.stdout.strip() == str(smollm_path)
+
+
+def test_devices_this_machine_cannot_run_are_clear_errors(smollm_path: Path) -> None:
+    import torch
+
+    from specserve.engine.local_runner import checked_device
+
+    assert checked_device("cpu") == torch.device("cpu")
+    for bad, needle in (("bogus", "unknown device"), ("cuda:99", "--device cuda:99")):
+        with pytest.raises(SpecserveError, match=needle):
+            checked_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(SpecserveError, match="use --device cpu"):
+            checked_device("cuda")
+        # the server refuses before it listens, in one line
+        assert_clean_error(run_cli("serve", "-m", str(smollm_path), "--device", "cuda", "--port", "0"),
+                           "--device cuda")

@@ -25,6 +25,26 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def checked_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, or a clear error where this machine cannot run it (instead of torch's traceback
+    on first use)."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SpecserveError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise SpecserveError(f"--device {device}: {why}; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecserveError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type != "cpu":
+        raise SpecserveError(f"unsupported device '{device}' (use cpu, cuda or cuda:N)")
+    return dev
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA (tensor cores, half the bytes), fp32 on CPU (exact reference match)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -59,7 +79,7 @@ class LocalRunner:
         in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
         gguf = GGUFFile(model_path)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
-        dev = torch.device(device) if device is not None else default_device()
+        dev = checked_device(device)
         dt = dtype or default_dtype(dev)
         self.weight_format = resolve_weight_format(weight_format, dev)
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)

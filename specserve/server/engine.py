@@ -14,7 +14,7 @@ from typing import Any
 
 from specserve import catalog
 from specserve.engine.loading import RemoteOptions, load_with_draft
-from specserve.engine.local_runner import LocalRunner
+from specserve.engine.local_runner import LocalRunner, checked_device
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Task
@@ -76,6 +76,8 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
     if s.max_queue < 0:
         raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
+    if s.remote is None:  # (a remote host checks its own device)
+        checked_device(s.device)
     s.sampling.validate()
     s.spec.validate()
 
