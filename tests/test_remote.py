@@ -1,6 +1,8 @@
 """Remoting: the handshake and load codes, in-order replies with pipelined steps, and the real model's greedy
 text through a RemoteRunner (unix socket + shared memory, and TCP) equal to a local runner's; a host killed
-mid-step fails the step clearly and the front connects again once a host is back."""
+mid-step fails the step clearly and the front connects again once a host is back. Keep-alives: a load, warm-up
+or step longer than the front's timeout goes through, a stalled or hung-up host is still reported within it,
+and a front of minor 0 gets none."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from specserve.remote import protocol as p
 from specserve.remote.client import RemoteRunner
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
-from tests.remote_utils import free_port, host_thread
+from tests.remote_utils import free_port, host_thread, mute_host, slow_loader
 
 PROMPT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
           "# renamed\ndef fibonacci(n):")
@@ -47,8 +50,8 @@ def raw_exchange(address: str, payloads: list[bytes]) -> list[tuple[int, p.Statu
         return out
 
 
-def hello(major: int = p.VERSION[0], magic: int = p.MAGIC, token: str = "") -> bytes:
-    return p.encode_request("hello", 1, magic=magic, major=major, minor=p.VERSION[1], token=token)
+def hello(major: int = p.VERSION[0], magic: int = p.MAGIC, token: str = "", minor: int = p.VERSION[1]) -> bytes:
+    return p.encode_request("hello", 1, magic=magic, major=major, minor=minor, token=token)
 
 
 def test_handshake_refuses_wrong_magic_version_and_token(tmp_path: Path) -> None:
@@ -95,6 +98,91 @@ def test_pipelined_steps_bookkeeping_and_refusals(tmp_path: Path) -> None:
             r.launch(bad)
         assert r.memory_info() == {"weights_bytes": 1, "kv_bytes": 2}
         r.close()
+
+
+TIMEOUT = 0.5  # the front's: no sign of life for this long and the host is gone
+BEAT = 0.05  # the test hosts' keep-alive interval
+
+
+def test_slow_load_warmup_and_step_outlive_the_timeout_through_keepalives(tmp_path: Path) -> None:
+    with host_thread(f"unix:{tmp_path / 'h.sock'}", slow_loader(1.5, warmup_s=1.0, step_s=1.0), keepalive=BEAT) as a:
+        t0 = time.monotonic()
+        r = RemoteRunner(a, "fake", n_seqs=1, n_ctx=64, timeout=TIMEOUT)
+        assert time.monotonic() - t0 >= 1.5  # three timeouts long, and alive throughout
+        r.warmup(4, 8)
+        b = Batch()
+        b.add_sequence([3, 4], 0, 0, "last")
+        first = r.launch(b)
+        nxt = Batch()
+        nxt.add(0, 2, 0, logits=True)
+        second = r.launch(nxt, logits=False)  # queued behind the slow one: its keep-alives come first
+        assert second.tokens() == [1] and first.tokens() == [5]
+        r.close()
+
+
+def frames_until_reply(s: socket.socket) -> list[tuple[int, p.Status, object]]:
+    """(request id, status, body) of each frame up to and including the first that is not a keep-alive."""
+    out: list[tuple[int, p.Status, object]] = []
+    while not out or out[-1][1] == p.Status.BUSY:
+        _, rid, status, body = p.decode_reply(p.recv_frame(s))
+        out.append((rid, status, body))
+    return out
+
+
+@pytest.mark.parametrize("minor", [0, p.KEEPALIVE_MINOR])
+def test_keepalives_only_for_fronts_that_read_them(tmp_path: Path, minor: int) -> None:
+    load = p.encode_request("load", 7, model="m", n_seqs=1, n_ctx=64, weight_format="auto", device="")
+    with host_thread(f"unix:{tmp_path / 'h.sock'}", slow_loader(0.6), keepalive=BEAT) as address, \
+            socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(p.parse_address(address)[1])
+        p.send_frame(s, hello(minor=minor))
+        assert frames_until_reply(s)[-1][:2] == (1, p.Status.OK)
+        p.send_frame(s, load)
+        got = frames_until_reply(s)
+        assert got[-1][:2] == (7, p.Status.OK)
+        beats = got[:-1]
+        if minor < p.KEEPALIVE_MINOR:
+            assert beats == []  # it would take a BUSY frame for its reply
+        else:
+            assert len(beats) >= 5 and all(rid == 7 and body.startswith("load:") for rid, _, body in beats)
+
+
+@pytest.mark.parametrize("then", ["silent", "close"])
+def test_a_stalled_or_closed_host_is_reported_within_the_timeout(tmp_path: Path, then: str) -> None:
+    with mute_host(tmp_path / "m.sock", then) as address:
+        t0 = time.monotonic()
+        with pytest.raises(SpecserveError, match="went away" + (": no reply and no sign of life" * (then == "silent"))):
+            RemoteRunner(address, "fake", timeout=TIMEOUT)
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+
+
+def test_a_stopped_host_process_is_reported_mid_load_and_mid_step(tmp_path: Path) -> None:
+    """SIGSTOP freezes the host, its keep-alive thread too: the front gives up within its timeout, even while
+    a load that would take longer is under way."""
+    address = f"unix:{tmp_path / 'h.sock'}"
+    host = subprocess.Popen([sys.executable, "-m", "tests.remote_utils", address, "3", str(BEAT)],
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        assert host.stderr is not None and "listening" in host.stderr.readline()
+        timer = threading.Timer(1.0, os.kill, (host.pid, signal.SIGSTOP))  # a third of the way into the load
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(SpecserveError, match="no sign of life for 0.5 s"):
+            RemoteRunner(address, "fake", timeout=TIMEOUT)
+        assert time.monotonic() - t0 < 1.0 + TIMEOUT + 1.0 < 3  # before the load would have ended
+        timer.join()
+        os.kill(host.pid, signal.SIGCONT)
+        r = RemoteRunner(address, "fake", timeout=TIMEOUT)  # a 3 s load, alive throughout
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(SpecserveError, match="no sign of life"):
+            r.memory_info()
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        r.close()
+    finally:
+        host.kill()
+        host.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from specserve.engine.loading import RemoteOptions
 from specserve.engine.sampling import SamplingParams
 from specserve.errors import SpecserveError
 from specserve.model.weights import WEIGHT_FORMATS
-from specserve.remote.protocol import STEP_TIMEOUT, parse_address
+from specserve.remote.protocol import KEEPALIVE_INTERVAL, STEP_TIMEOUT, parse_address
 from specserve.speculative.base import SELECTABLE_TYPES, SpecParams
 
 
@@ -79,7 +79,8 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-token", default=os.environ.get("SPECSERVE_REMOTE_TOKEN"),
                    help="the host's shared token [env: SPECSERVE_REMOTE_TOKEN]")
     g.add_argument("--remote-timeout", type=float, default=STEP_TIMEOUT,
-                   help=f"seconds a step may take on the host (default {STEP_TIMEOUT:g})")
+                   help=f"seconds without a reply or a keep-alive (the host sends one every {KEEPALIVE_INTERVAL:g} s "
+                        f"while it works) before the host counts as gone (default {STEP_TIMEOUT:g})")
 
 
 def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:
@@ -89,6 +90,6 @@ def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:
         parse_address(args.remote)
     except ValueError as exc:
         raise SpecserveError(f"--remote: {exc}") from None
-    if args.remote_timeout <= 0:
-        raise SpecserveError("--remote-timeout must be positive")
+    if args.remote_timeout < 2 * KEEPALIVE_INTERVAL:  # else a working host's next keep-alive may come too late
+        raise SpecserveError(f"--remote-timeout must be at least {2 * KEEPALIVE_INTERVAL:g} s")
     return RemoteOptions(args.remote, args.remote_token, args.remote_timeout)

@@ -19,7 +19,7 @@ from specserve.remote.protocol import STEP_TIMEOUT
 class RemoteOptions:
     address: str  # unix:PATH or tcp:HOST:PORT of a `specserve remote-host`
     token: str | None = None
-    timeout: float = STEP_TIMEOUT  # seconds a step may take before the front gives up on the host
+    timeout: float = STEP_TIMEOUT  # seconds of silence (no reply, no keep-alive) before the host counts as gone
 
 
 def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,

@@ -5,7 +5,9 @@ wanted rows' logits when the scheduler needs them (a sampling slot); on a unix s
 shared memory. Requests are sent at once and their replies read in order when needed, so the scheduler's
 step N + 1 is on its way before step N's result is read, and KV bookkeeping costs no round trip. A broken
 connection fails what was in flight with a clear error; the next call connects again and loads the model
-anew (the host's caches are gone, so every sequence starts empty).
+anew (the host's caches are gone, so every sequence starts empty). `timeout` bounds the host's silence: a host
+of minor >= 1 sends a keep-alive every second while it works, each of which restarts the wait, so a model
+load of minutes goes through and a stalled host is reported `timeout` seconds after its last sign of life.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -28,7 +30,9 @@ from specserve.errors import SpecserveError
 from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
 from specserve.remote.protocol import (
+    BY_NAME,
     HANDSHAKE_TIMEOUT,
+    KEEPALIVE_MINOR,
     LOAD_TIMEOUT,
     MAGIC,
     STEP_TIMEOUT,
@@ -94,6 +98,7 @@ class RemoteRunner:
         self._replies: dict[int, dict[str, Any] | SpecserveError] = {}
         self._unanswered: list[int] = []
         self._acks: set[int] = set()  # requests nobody waits for (KV bookkeeping): a failure surfaces at once
+        self._keepalive = False  # the host's hello says it sends BUSY frames while it works
         self._shm: dict[str, shared_memory.SharedMemory] = {}
         self._connect()
 
@@ -111,10 +116,12 @@ class RemoteRunner:
             self._replies.clear()
             self._unanswered.clear()
             self._acks.clear()
+            self._keepalive = False
             hello = self._call("hello", HANDSHAKE_TIMEOUT, magic=MAGIC, major=VERSION[0], minor=VERSION[1],
                                token=self._token)
+            self._keepalive = hello["minor"] >= KEEPALIVE_MINOR
             model, n_seqs, n_ctx, weight_format, device = self._load_args
-            info = self._call("load", LOAD_TIMEOUT, model=model, n_seqs=n_seqs, n_ctx=n_ctx,
+            info = self._call("load", model=model, n_seqs=n_seqs, n_ctx=n_ctx,
                               weight_format=weight_format, device=device)
         except OSError as exc:
             self._drop()
@@ -164,7 +171,7 @@ class RemoteRunner:
         self._unanswered.append(rid)
         return rid
 
-    def _lost(self, exc: Exception) -> None:
+    def _lost(self, exc: Exception | str) -> NoReturn:
         self._drop()
         for rid in self._unanswered:
             self._replies[rid] = SpecserveError(f"the remote host at {self.address} went away: {exc}")
@@ -172,15 +179,24 @@ class RemoteRunner:
         raise SpecserveError(f"the remote host at {self.address} went away: {exc}") from None
 
     def _reply(self, rid: int, timeout: float | None = None) -> dict[str, Any]:
-        """The reply to request rid (reading, in order, the replies before it)."""
+        """The reply to request rid (reading, in order, the replies before it). `timeout`: the most seconds to
+        wait for the next frame; a keep-alive counts, so it bounds the host's silence, not its work."""
+        limit = timeout or self.timeout
         while rid not in self._replies:
             if self._sock is None:
                 raise SpecserveError(f"the remote host at {self.address} went away")
-            self._sock.settimeout(timeout or self.timeout)
+            self._sock.settimeout(limit)
             try:
                 _, got, status, body = decode_reply(recv_frame(self._sock))
+            except TimeoutError:
+                self._lost(f"no reply and no sign of life for {limit:g} s")
             except (OSError, ConnectionError, ProtocolError) as exc:
                 self._lost(exc)
+            if status == Status.BUSY:
+                if not self._keepalive or got not in self._unanswered:  # strict: a keep-alive names a request
+                    self._lost(ConnectionError(f"keep-alive for request {got}, which is not awaited"))
+                log.debug("remote host still working on request %d (%s)", got, body)
+                continue  # alive: wait `limit` again
             expected = self._unanswered.pop(0) if self._unanswered else None
             if got != expected:
                 self._lost(ConnectionError(f"reply {got} out of order (expected {expected})"))
@@ -214,7 +230,10 @@ class RemoteRunner:
         return fields
 
     def _call(self, name: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
-        return self._reply(self._send(name, **fields), timeout)
+        rid = self._send(name, **fields)  # first: it may connect again, to a host of another minor
+        if timeout is None and BY_NAME[name].slow and not self._keepalive:
+            timeout = max(self.timeout, LOAD_TIMEOUT)  # a host of minor 0 is silent until it is done
+        return self._reply(rid, timeout)
 
     # -- the Runner protocol ---------------------------------------------------------------------
 
@@ -243,7 +262,7 @@ class RemoteRunner:
         return n_max if rows is None else min(n_max, rows - 1)
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = 512) -> None:
-        self._call("warmup", LOAD_TIMEOUT, max_rows=max_rows, prompt_rows=prompt_rows)
+        self._call("warmup", max_rows=max_rows, prompt_rows=prompt_rows)
 
     def memory_info(self) -> dict[str, int]:
         info = self._call("memory_info")

@@ -4,7 +4,8 @@ Each connection gets a thread and, after its `load`, a runner of its own. Reques
 answered in order, but a `launch` is answered only when the front's next request has not arrived yet (or two
 launches are unanswered): so a front that sends step N + 1 before reading step N gets them queued back to
 back on the device. A malformed or refused request gets an error reply and the connection goes on; only a
-broken connection ends it.
+broken connection ends it. While a request is worked on (a load, a warm-up, a wait for the device), a ticker
+thread sends BUSY frames for it, so the front can tell a slow host from a dead one (protocol.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -29,6 +34,8 @@ from specserve.model.batch import Batch
 from specserve.remote.protocol import (
     BY_NAME,
     HANDSHAKE_TIMEOUT,
+    KEEPALIVE_INTERVAL,
+    KEEPALIVE_MINOR,
     MAGIC,
     VERSION,
     Command,
@@ -37,6 +44,7 @@ from specserve.remote.protocol import (
     Status,
     decode_request,
     encode_error,
+    encode_keepalive,
     encode_reply,
     parse_address,
     recv_frame,
@@ -75,11 +83,76 @@ class _SharedLogits:
         self._segments = [None, None]
 
 
+@dataclass
+class _Work:
+    cmd: Command
+    rid: int
+    since: float
+    last: float  # when the last sign of life for it went out
+
+
+class _Outbox:
+    """A connection's one way out. Every frame is sent under one lock, so a keep-alive from the ticker thread
+    never lands inside the bytes of a reply. Once `start`ed, the ticker sends a BUSY frame for the request in
+    `working` every `interval` until that request's reply is out."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._cond = threading.Condition()
+        self._work: _Work | None = None
+        self._closed = False
+
+    def send(self, payload: bytes) -> None:
+        with self._cond:
+            send_frame(self.sock, payload)
+            if self._work is not None and payload[2:6] == struct.pack("<I", self._work.rid):
+                # Answered: a keep-alive after its reply would name a request the front no longer waits for.
+                self._work = None
+
+    @contextmanager
+    def working(self, cmd: Command, rid: int) -> Iterator[None]:
+        now = time.monotonic()
+        with self._cond:
+            prev, self._work = self._work, _Work(cmd, rid, now, now)
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._work = prev  # a nested wait (an older step answered first) hands back to the outer request
+
+    def start(self, interval: float) -> None:
+        threading.Thread(target=self._tick, args=(interval,), name="specserve-remote-keepalive", daemon=True).start()
+
+    def _tick(self, interval: float) -> None:
+        with self._cond:
+            while not self._closed:
+                work = self._work
+                now = time.monotonic()
+                if work is None or now < work.last + interval:
+                    self._cond.wait(None if work is None else work.last + interval - now)
+                    continue
+                work.last = now
+                try:
+                    send_frame(self.sock, encode_keepalive(work.cmd, work.rid,
+                                                           f"{work.cmd.name}: {now - work.since:.1f} s"))
+                except OSError:
+                    return  # the front is gone; the connection's thread finds out on its next read or send
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
 class Connection:
     """One front: the handshake, then its requests until it goes away."""
 
-    def __init__(self, sock: socket.socket, load_runner: LoadRunner, token: str | None, shared: bool):
+    def __init__(self, sock: socket.socket, load_runner: LoadRunner, token: str | None, shared: bool,
+                 keepalive: float = KEEPALIVE_INTERVAL):
         self.sock = sock
+        self.out = _Outbox(sock)
+        self.keepalive = keepalive
         self.load_runner = load_runner
         self.token = token
         self.shm = _SharedLogits() if shared else None
@@ -94,6 +167,7 @@ class Connection:
         except (ConnectionError, OSError, ProtocolError) as exc:
             log.info("front disconnected: %s", exc)
         finally:
+            self.out.close()
             if self.shm is not None:
                 self.shm.close()
             self.sock.close()
@@ -105,22 +179,24 @@ class Connection:
         try:
             cmd, rid, f = decode_request(payload)
         except ProtocolError as exc:
-            send_frame(self.sock, encode_error(0, 0, exc.status, str(exc)))
+            self.out.send(encode_error(0, 0, exc.status, str(exc)))
             return False
         if cmd.name != "hello" or f["magic"] != MAGIC:
-            send_frame(self.sock, encode_error(cmd.code, rid, Status.BAD_FRAME,
-                                               "expected a hello with specserve's magic"))
+            self.out.send(encode_error(cmd.code, rid, Status.BAD_FRAME,
+                                       "expected a hello with specserve's magic"))
             return False
         if f["major"] != VERSION[0]:
-            send_frame(self.sock, encode_error(cmd.code, rid, Status.VERSION_MISMATCH,
-                                               f"protocol {f['major']}.{f['minor']} is not {VERSION[0]}.x"))
+            self.out.send(encode_error(cmd.code, rid, Status.VERSION_MISMATCH,
+                                       f"protocol {f['major']}.{f['minor']} is not {VERSION[0]}.x"))
             return False
         if self.token is not None and f["token"] != self.token:
-            send_frame(self.sock, encode_error(cmd.code, rid, Status.BAD_TOKEN, "wrong or missing token"))
+            self.out.send(encode_error(cmd.code, rid, Status.BAD_TOKEN, "wrong or missing token"))
             return False
         if f["minor"] != VERSION[1]:
             log.warning("front speaks protocol %d.%d, the host %d.%d", f["major"], f["minor"], *VERSION)
-        send_frame(self.sock, encode_reply(cmd, rid, major=VERSION[0], minor=VERSION[1], host=socket.gethostname()))
+        self.out.send(encode_reply(cmd, rid, major=VERSION[0], minor=VERSION[1], host=socket.gethostname()))
+        if f["minor"] >= KEEPALIVE_MINOR:  # an older front would take a BUSY frame for its reply
+            self.out.start(self.keepalive)
         return True
 
     def _requests(self) -> None:
@@ -137,7 +213,8 @@ class Connection:
                 self._queue(encode_error(code, rid, exc.status, str(exc)))
                 continue
             try:
-                self._handle(cmd, rid, fields)
+                with self.out.working(cmd, rid):
+                    self._handle(cmd, rid, fields)
             except ProtocolError as exc:
                 self._queue(encode_error(cmd.code, rid, exc.status, str(exc)))
             except SpecserveError as exc:
@@ -152,28 +229,29 @@ class Connection:
         """A ready reply, sent once every earlier request is answered."""
         self._pending.append(reply)
         while self._pending and isinstance(self._pending[0], bytes):
-            send_frame(self.sock, self._pending.popleft())  # type: ignore[arg-type]
+            self.out.send(self._pending.popleft())  # type: ignore[arg-type]
 
     def _answer_oldest(self) -> None:
         item = self._pending.popleft()
         if isinstance(item, bytes):
-            send_frame(self.sock, item)
+            self.out.send(item)
             return
         rid, step, want_logits, parity = item
         cmd = BY_NAME["launch"]
-        try:
-            argmax = step.tokens()
-            logits = None
-            if want_logits:
-                array = step.logits().float().cpu().numpy()
-                logits = self.shm.put(parity, array) if self.shm is not None else array
-            reply = encode_reply(cmd, rid, argmax=argmax, logits=logits)
-        except Exception as exc:
-            log.exception("step failed")
-            reply = encode_error(cmd.code, rid, Status.INTERNAL, f"{type(exc).__name__}: {exc}")
-        send_frame(self.sock, reply)
+        with self.out.working(cmd, rid):  # a long step (a big prefill) keeps the front waiting, not worried
+            try:
+                argmax = step.tokens()
+                logits = None
+                if want_logits:
+                    array = step.logits().float().cpu().numpy()
+                    logits = self.shm.put(parity, array) if self.shm is not None else array
+                reply = encode_reply(cmd, rid, argmax=argmax, logits=logits)
+            except Exception as exc:
+                log.exception("step failed")
+                reply = encode_error(cmd.code, rid, Status.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self.out.send(reply)
         while self._pending and isinstance(self._pending[0], bytes):
-            send_frame(self.sock, self._pending.popleft())  # type: ignore[arg-type]
+            self.out.send(self._pending.popleft())  # type: ignore[arg-type]
 
     def _launches_pending(self) -> int:
         return sum(not isinstance(p, bytes) for p in self._pending)
@@ -257,8 +335,10 @@ def _batch(f: dict[str, Any]) -> tuple[Batch, list[int] | None]:
 
 
 def serve(listen: str, load_runner: LoadRunner, token: str | None = None,
-          ready: Callable[[str], None] | None = None, stop: threading.Event | None = None) -> None:
-    """Accept fronts on `listen` (unix:PATH or tcp:HOST:PORT) until `stop` is set; each in a thread."""
+          ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
+          keepalive: float = KEEPALIVE_INTERVAL) -> None:
+    """Accept fronts on `listen` (unix:PATH or tcp:HOST:PORT) until `stop` is set; each in a thread. `keepalive`:
+    seconds between BUSY frames while a request is worked on (tests shorten it)."""
     family, address = parse_address(listen)
     if family == "tcp" and address[0] not in ("127.0.0.1", "localhost", "::1") and not token:
         raise SpecserveError(f"listening on {address[0]} (not loopback) needs a shared token (--token)")
@@ -284,7 +364,7 @@ def serve(listen: str, load_runner: LoadRunner, token: str | None = None,
             conn.settimeout(None)
             if family == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            c = Connection(conn, load_runner, token, shared=family == "unix")
+            c = Connection(conn, load_runner, token, shared=family == "unix", keepalive=keepalive)
             threading.Thread(target=c.serve, name="specserve-remote-front", daemon=True).start()
     finally:
         sock.close()

@@ -3,7 +3,10 @@
 A frame is a little-endian u32 payload length, then the payload: u16 command, u32 request id, then the
 command's fields in table order. A reply carries the same command and id, a u16 status (0: ok) and, when
 ok, the reply fields; otherwise a message. Both ends encode and decode through COMMANDS, so they cannot
-drift apart. Every length, count, index, dtype and shape read is checked before use: a malformed frame is a
+drift apart. While the host works on a request (a load, a warm-up, a long step), it sends a BUSY frame for
+that request's id every KEEPALIVE_INTERVAL, before the reply: the front's timeout then bounds the silence, not
+the command, so a slow host is told from a dead one. Only fronts whose hello names minor >= KEEPALIVE_MINOR
+get them. Every length, count, index, dtype and shape read is checked before use: a malformed frame is a
 ProtocolError (the host answers it with an error reply), never an out-of-bounds read.
 """
 
@@ -18,15 +21,17 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x53505356  # "SPSV"
-VERSION = (1, 0)  # (major, minor): a major mismatch is refused, a minor one warned about
+VERSION = (1, 1)  # (major, minor): a major mismatch is refused, a minor one warned about
+KEEPALIVE_MINOR = 1  # the first minor whose fronts read BUSY frames (an older front would take one for a reply)
 MAX_FRAME = 1 << 30  # bytes of one payload (a model's tokenizer metadata or a step's logits fit)
 MAX_INTS = 1 << 20  # entries of one integer list
 MAX_STR = 1 << 26  # bytes of one string
 MAX_DIMS = 4
 
 HANDSHAKE_TIMEOUT = 2.0
-LOAD_TIMEOUT = 60.0
-STEP_TIMEOUT = 30.0  # default; `--remote-timeout`
+STEP_TIMEOUT = 30.0  # default `--remote-timeout`: seconds without a reply or a keep-alive before the host is dead
+KEEPALIVE_INTERVAL = 1.0  # seconds between a working host's BUSY frames (a test host may send them faster)
+LOAD_TIMEOUT = 60.0  # a host of minor 0 sends no keep-alives: the most a slow command may then take, whole
 
 
 class Status(IntEnum):
@@ -43,6 +48,7 @@ class Status(IntEnum):
     OUT_OF_MEMORY = 10
     BAD_REQUEST = 11  # well formed, refused by the runner (e.g. a position past the context)
     INTERNAL = 12
+    BUSY = 13  # a keep-alive, not the reply: the host still works on this request (the message says on what)
 
 
 class ProtocolError(Exception):
@@ -57,6 +63,7 @@ class Command:
     name: str
     request: tuple[tuple[str, str], ...]  # (field, kind)
     reply: tuple[tuple[str, str], ...]
+    slow: bool = False  # may run for minutes (a model load, CUDA graph capture): see LOAD_TIMEOUT
 
 
 # Kinds: u8, u32, i64, str, ints (i64 list), bytes, tensor (fp32 / i64 array, inline or in shared memory).
@@ -67,13 +74,14 @@ COMMANDS = (
                         ("device", "str")),
             (("n_seqs", "u32"), ("n_ctx", "u32"), ("vocab_size", "u32"), ("max_step_rows", "i64"),
              ("device", "str"), ("dtype", "str"), ("weight_format", "str"), ("path", "str"),
-             ("metadata", "bytes"), ("weights_bytes", "i64"), ("config", "bytes"), ("file_bytes", "i64"))),
+             ("metadata", "bytes"), ("weights_bytes", "i64"), ("config", "bytes"), ("file_bytes", "i64")),
+            slow=True),
     Command(3, "launch", (("tokens", "ints"), ("positions", "ints"), ("seq_ids", "ints"), ("logit_rows", "ints"),
                           ("fed", "ints"), ("want_logits", "u8")),
             (("argmax", "ints"), ("logits", "tensor"))),
     Command(4, "kv_truncate", (("seq", "u32"), ("n_keep", "u32")), ()),
     Command(5, "kv_copy", (("src", "u32"), ("dst", "u32")), ()),
-    Command(6, "warmup", (("max_rows", "u32"), ("prompt_rows", "u32")), ()),
+    Command(6, "warmup", (("max_rows", "u32"), ("prompt_rows", "u32")), (), slow=True),
     Command(7, "memory_info", (), (("kv_bytes", "i64"), ("weights_bytes", "i64"))),
 )
 BY_CODE = {c.code: c for c in COMMANDS}
@@ -205,6 +213,11 @@ def encode_error(code: int, request_id: int, status: Status, message: str) -> by
     return struct.pack("<HIH", code, request_id, status) + encode_field("str", message[:4096])
 
 
+def encode_keepalive(cmd: Command, request_id: int, message: str) -> bytes:
+    """A BUSY frame: shaped like an error reply (a message and nothing else), so fronts decode it alike."""
+    return encode_error(cmd.code, request_id, Status.BUSY, message)
+
+
 def decode_request(payload: bytes | memoryview) -> tuple[Command, int, dict[str, Any]]:
     r = Reader(payload)
     code, request_id = r.unpack("<HI")
@@ -224,6 +237,7 @@ def decode_reply(payload: bytes | memoryview) -> tuple[Command | None, int, Stat
     cmd = BY_CODE.get(code)
     if status != Status.OK:
         message = r.field("str")
+        r.done()
         return cmd, request_id, Status(status) if status in Status._value2member_map_ else Status.INTERNAL, message
     if cmd is None:
         raise ProtocolError(Status.UNKNOWN_COMMAND, f"reply to unknown command {code}")
