@@ -5,16 +5,19 @@ initialisation is so small that every logit is near zero and greedy choices beco
 `write_gguf` writes its weights as llama.cpp's converter lays them out: the tensor names of the gguf
 package's tables, experts stacked [n_expert, ...], Q and K of llama files permuted for interleaved RoPE,
 the metadata keys, and a byte-level BPE vocabulary (256 byte tokens, one merge, a few control tokens).
+`quantize_gguf` copies such a file with its matrices and expert tensors in block formats.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+from gguf.quants import quantize
 
 from specserve.gguf.tokenizer import byte_alphabet
 
@@ -132,3 +135,32 @@ def write_gguf(model: torch.nn.Module, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def quantize_gguf(src: Path, dst: Path,
+                  qtype: Callable[[str], GGMLQuantizationType] = lambda name: GGMLQuantizationType.Q8_0) -> Path:
+    """A copy of src with every matrix and expert tensor in qtype(name) (Q8_0 by default; the gguf
+    package quantizes Q8_0, Q4_0/1 and Q5_0/1); norms and the router stay F32."""
+    reader = GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.types[0].name == "ARRAY":
+            writer.add_array(field.name, value)
+        else:
+            writer.add_key_value(field.name, value, field.types[0])
+    for t in reader.tensors:
+        array = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if array.ndim >= 2 and "ffn_gate_inp" not in t.name:
+            kind = qtype(t.name)
+            writer.add_tensor(t.name, quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -99,17 +99,19 @@ class GGUFFile:
         return tensor.to(device=device, dtype=dtype)
 
     def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantInts | None:
-        """A 2-D block-quantized tensor as its exact integers and fp32 scales and mins per group (see
-        repack.py); None for other types."""
+        """A block-quantized tensor as its exact integers and fp32 scales and mins per group (see
+        repack.py), as a matrix [N, K]: the leading dimensions of a stacked tensor (a mixture of experts'
+        [n_expert, N, K]) are flattened into N. None for other types."""
         t = self._tensor(name)
         shape = self.tensor_shape(name)
-        if t.tensor_type not in REPACKABLE or len(shape) != 2:
+        if t.tensor_type not in REPACKABLE or len(shape) < 2:
             return None
+        rows = int(np.prod(shape[:-1]))
         try:
-            q, scale, mins = repack(t.data, t.tensor_type, shape)
+            q, scale, mins = repack(t.data, t.tensor_type, (rows, shape[-1]))
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
-        group = shape[1] // scale.shape[1]
+        group = shape[-1] // scale.shape[1]
         return QuantInts(torch.from_numpy(q).to(device), torch.from_numpy(scale).to(device),
                          None if mins is None else torch.from_numpy(mins).to(device), group)
 

@@ -77,7 +77,11 @@ class QuantWeight:
         sm = torch.stack([scale, mins + offset * scale], dim=-1).half()
         if not torch.isfinite(sm).all():
             raise SpecserveError("quantization scales out of fp16 range")
-        return cls(pack(q.to(torch.int32) + offset, bits, group), sm, bits, group, hi + offset)
+        # packed in slices of rows: pack widens to int64, 8x an int8 input (a stack of experts is large)
+        rows = max(1, (1 << 24) // max(1, q.shape[1]))
+        words = torch.cat([pack(q[r : r + rows].to(torch.int32) + offset, bits, group)
+                           for r in range(0, max(1, q.shape[0]), rows)])
+        return cls(words, sm, bits, group, hi + offset)
 
 
 Weight = torch.Tensor | QuantWeight

@@ -1,11 +1,13 @@
 """Mixture-of-experts feed-forward: each token's chosen experts (SwiGLU each) summed with the routing weights.
 
 Expert weights are stacked as in GGUF: gate_up [n_expert, 2 ffn, hidden] ([gate | up] along dim 1) and down
-[n_expert, hidden, ffn]. `moe_experts` groups the (token, slot) pairs by expert, so each chosen expert is
-one product over the rows that chose it and no other expert's weights are read. Each pair's output lands
-in its own slot and a token's slots are summed in slot order, so the sum does not depend on how the rows
-were grouped. `NormMoeAdd` is the decoder-step op (kernels.linear's ResidualStream): RMSNorm, router
-product, routing (kernels.moe_routing), experts, an optional shared expert, added to the stream.
+[n_expert, hidden, ffn], either float tensors or packed (`QuantExperts`: one QuantWeight holding every
+expert's rows, expert e's at a fixed offset). `moe_experts` dispatches: packed experts where Triton runs go
+to the grouped kernels of moe_experts_triton.py, which read only the chosen experts' packed weights; float
+experts go through torch (`moe_experts_ref`), grouped by expert. Either way each (token, slot) pair's
+output is its own and a token's slots are summed in slot order, so the sum does not depend on how the
+pairs were grouped. `NormMoeAdd` is the decoder-step op (kernels.linear's ResidualStream): RMSNorm,
+router product, routing (kernels.moe_routing), experts, an optional shared expert, added to the stream.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.activation import silu_mul_ref
-from specserve.kernels.linear import ResidualStream, Weight, feed_forward, linear
+from specserve.kernels.dispatch import triton_device, triton_enabled
+from specserve.kernels.linear import QuantWeight, ResidualStream, Weight, concat_quant, dequantize, feed_forward, linear
+from specserve.kernels.linear import quantize_q8 as quantize_matrix_q8
 from specserve.kernels.moe_routing import Routing
 
 
@@ -51,11 +55,84 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     return weighted.sum(dim=1).to(x.dtype)
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
-    """The experts of `moe_experts_ref`. The dispatch point for a grouped expert kernel (quantized weights,
-    reading only the chosen experts, graph-safe); until then the reference runs, grouped by expert except
-    while a CUDA graph is being captured (the grouping needs the expert counts on the host)."""
+@dataclass
+class QuantExperts:
+    """n_expert packed matrices [N, K] stacked along N in one QuantWeight [n_expert * N, K]: expert e's rows
+    are e * N .. (e + 1) * N - 1, so its words and scales sit at a fixed offset and a kernel handed the
+    expert id reads those alone."""
+
+    w: QuantWeight
+    n_expert: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """(n_expert, N, K), as the float stack's."""
+        rows, k = self.w.shape
+        return torch.Size((self.n_expert, rows // self.n_expert, k))
+
+    def n_bytes(self) -> int:
+        return self.w.n_bytes()
+
+    def expert(self, e: int) -> QuantWeight:
+        """Expert e's matrix (views of the stack)."""
+        n = self.shape[1]
+        return QuantWeight(self.w.words[e * n : (e + 1) * n], self.w.sm[e * n : (e + 1) * n], self.w.bits,
+                           self.w.group, self.w.u_max)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.w, dtype).view(self.shape)
+
+    def to(self, device: torch.device | str) -> QuantExperts:
+        w = self.w
+        return QuantExperts(QuantWeight(w.words.to(device), w.sm.to(device), w.bits, w.group, w.u_max), self.n_expert)
+
+    @classmethod
+    def concat(cls, parts: list[QuantExperts]) -> QuantExperts:
+        """Per expert, the parts' rows one after the other ([gate | up] of each expert), on the smallest group
+        and the widest integers (as concat_quant)."""
+        n_expert = parts[0].n_expert
+        assert all(p.n_expert == n_expert and p.shape[1:] == parts[0].shape[1:] for p in parts)
+        both = concat_quant([p.w for p in parts])  # [part][expert][row]: every part's experts in turn
+
+        def per_expert(t: torch.Tensor) -> torch.Tensor:
+            return t.view(len(parts), n_expert, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+        return cls(QuantWeight(per_expert(both.words), per_expert(both.sm), both.bits, both.group, both.u_max),
+                   n_expert)
+
+    @classmethod
+    def quantize_q8(cls, w: torch.Tensor) -> QuantExperts:
+        """A float stack [n_expert, N, K] with Q8_0's rule (random-weight benchmarks, the q8 weight format)."""
+        n_expert, n, k = w.shape
+        return cls(quantize_matrix_q8(w.reshape(n_expert * n, k)), n_expert)
+
+
+ExpertMatrix = torch.Tensor | QuantExperts
+
+
+def experts_stay_packed(device: torch.device | str) -> bool:
+    """Whether packed experts run as they are on `device`: where the Triton kernels run (CUDA, or CPU tensors
+    under Triton's interpreter). Elsewhere torch multiplies float experts, so a loader dequantizes them."""
+    return triton_device(device)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: ExpertMatrix,
+                w_down: ExpertMatrix) -> torch.Tensor:
+    """The experts of `moe_experts_ref`, over float or packed expert stacks (both of one kind).
+
+    Packed, where Triton runs: the grouped kernels (moe_experts_triton), which read only the chosen
+    experts' weights and never sync with the host (CUDA-graph safe). Float: the reference, grouped by
+    expert except while a CUDA graph is being captured (the grouping reads the expert counts on the host)."""
+    if isinstance(w_gate_up, QuantExperts) and isinstance(w_down, QuantExperts):
+        if ids.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        if triton_enabled(x):
+            from specserve.kernels import moe_experts_triton
+
+            return moe_experts_triton.moe_experts(x, ids, weights, w_gate_up, w_down)
+        # no Triton: every expert dequantized per call (loaders keep experts float on such devices)
+        w_gate_up, w_down = w_gate_up.dequantize(x.dtype), w_down.dequantize(x.dtype)
+    assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor), "float or packed, not mixed"
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     return moe_experts_ref(x, ids, weights, w_gate_up, w_down, by_expert=not capturing)
 
@@ -81,12 +158,13 @@ class NormMoeAdd:
     eps: float
     router: torch.Tensor  # [n_expert, hidden] (ffn_gate_inp)
     routing: Routing
-    w_gate_up: torch.Tensor  # [n_expert, 2 ffn_expert, hidden]
-    w_down: torch.Tensor  # [n_expert, hidden, ffn_expert]
+    w_gate_up: ExpertMatrix  # [n_expert, 2 ffn_expert, hidden]
+    w_down: ExpertMatrix  # [n_expert, hidden, ffn_expert]
     shared: SharedExpert | None = None
 
     def fusable(self, x: torch.Tensor) -> bool:
-        """No fused MoE kernel yet: a step with MoE layers runs its ops unfused."""
+        """The expert kernels fold in neither the RMSNorm nor the residual add: a step with MoE layers runs
+        its ops unfused."""
         return False
 
     def __call__(self, stream: ResidualStream) -> None:

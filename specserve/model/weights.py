@@ -18,6 +18,7 @@ from tqdm import tqdm
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
+from specserve.kernels.moe_experts import ExpertMatrix, QuantExperts, experts_stay_packed
 from specserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 # matrices stay quantized as in the file (4- or 8-bit integers, fp16 scale and min per group of
 # 16 / 32; see QuantWeight and specserve.gguf.repack): a Q4_K_M file reads ~0.4 of bf16's bytes
 # per token. "q8": every matrix quantized with Q8_0's rule from its float values (for float
-# files and random weights). Both pack 2-D matrices only: a mixture of experts' stacked expert
-# tensors stay float in either (see ExpertWeights).
+# files and random weights). A mixture of experts' stacked expert tensors are packed by either
+# where the expert kernels run (CUDA), float elsewhere (see ExpertWeights).
 WEIGHT_FORMATS = ("auto", "float", "gguf", "q8")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -69,18 +70,20 @@ def is_moe_layer(tensor_names: set[str] | list[str], layer: int) -> bool:
 
 @dataclass
 class ExpertWeights:
-    """A mixture-of-experts feed-forward. The stacked expert tensors are float in the runner's dtype
-    whatever the weight format: "gguf" and "q8" pack 2-D matrices only, so a quantized file's experts are
-    dequantized at load (logged). The shared expert's matrices take the weight format like dense ones."""
+    """A mixture-of-experts feed-forward. With "gguf" or "q8", on a device where the packed-expert kernels
+    run (kernels.moe_experts.experts_stay_packed: CUDA), the stacked expert tensors are `QuantExperts` (the
+    file's blocks, or Q8_0 of the float values); elsewhere, or when a file's expert type cannot be packed,
+    they are float in the runner's dtype (logged). The shared expert's matrices take the weight format like
+    dense ones."""
 
     router: torch.Tensor  # [n_expert, hidden] (ffn_gate_inp)
-    gate_up: torch.Tensor  # [n_expert, 2 ffn_expert, hidden]: ffn_gate_exps | ffn_up_exps along dim 1
-    down: torch.Tensor  # [n_expert, hidden, ffn_expert]
+    gate_up: ExpertMatrix  # [n_expert, 2 ffn_expert, hidden]: ffn_gate_exps | ffn_up_exps along dim 1
+    down: ExpertMatrix  # [n_expert, hidden, ffn_expert]
     shared_gate_up: Weight | None = None  # [2 ffn_shared, hidden] (qwen2moe)
     shared_down: Weight | None = None  # [hidden, ffn_shared]
     shared_gate: torch.Tensor | None = None  # [1, hidden] (ffn_gate_inp_shexp)
 
-    def tensors(self) -> list[Weight]:
+    def tensors(self) -> list[Weight | QuantExperts]:
         return [t for t in vars(self).values() if t is not None]
 
 
@@ -114,22 +117,29 @@ class ModelWeights:
             tensors += [t for t in vars(layer).values() if t is not None and not isinstance(t, ExpertWeights)]
             tensors += layer.experts.tensors() if layer.experts is not None else []
         for t in tensors:
-            key = t.words.data_ptr() if isinstance(t, QuantWeight) else t.data_ptr()
+            packed = t.w if isinstance(t, QuantExperts) else t
+            key = packed.words.data_ptr() if isinstance(packed, QuantWeight) else packed.data_ptr()
             if key not in seen:
                 seen.add(key)
-                total += t.n_bytes() if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+                total += packed.n_bytes() if isinstance(packed, QuantWeight) else packed.numel() * packed.element_size()
         return total
 
 
 def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
     """With "q8", every float matrix of every layer and the output matrix quantized, in place.
 
-    The embedding stays a float table: one row of it is read per token; so do stacked expert tensors
-    (ExpertWeights), while a shared expert's matrices are quantized.
+    The embedding stays a float table: one row of it is read per token. Stacked expert tensors are
+    quantized where packed experts run (ExpertWeights), and a shared expert's matrices always.
     """
     if resolve_weight_format(weight_format) != "q8":
         return weights
     for layer in weights.layers:
+        experts = layer.experts
+        if experts is not None and experts_stay_packed(experts.router.device):
+            for name in ("gate_up", "down"):
+                w = getattr(experts, name)
+                if isinstance(w, torch.Tensor):
+                    setattr(experts, name, QuantExperts.quantize_q8(w))
         holders = [(layer, MATRICES)] + ([(layer.experts, ("shared_gate_up", "shared_down"))] if layer.experts else [])
         for holder, names in holders:
             for name in names:
@@ -185,10 +195,35 @@ def _is_matrix(name: str) -> bool:
     return name == "output.weight" or name.endswith(MATRIX_SUFFIXES)
 
 
+def _is_experts(name: str) -> bool:
+    return name.endswith(EXPERT_SUFFIXES)
+
+
 def _load_packed(gguf: GGUFFile, name: str, device: torch.device | str) -> QuantWeight | None:
     """A block-quantized matrix of the file packed for the quantized kernels; None for other types."""
     ints = gguf.load_quant(name, device)
     return None if ints is None else QuantWeight.from_ints(ints.q, ints.scale, ints.mins, ints.group)
+
+
+def _load_packed_experts(gguf: GGUFFile, name: str, device: torch.device | str) -> QuantExperts | None:
+    """A block-quantized stack of experts [n_expert, N, K] packed as one QuantWeight; None for other types."""
+    ints = gguf.load_quant(name, device)
+    if ints is None:
+        return None
+    return QuantExperts(QuantWeight.from_ints(ints.q, ints.scale, ints.mins, ints.group), gguf.tensor_shape(name)[0])
+
+
+def _experts_as_loaded(gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
+                       dtype: torch.dtype) -> tuple[ExpertMatrix, ExpertMatrix]:
+    """(gate_up, down): packed where all three are, else all float (a file mixing packable and other types
+    for one layer's experts is rare; the kernels take one kind)."""
+    if isinstance(gate, QuantExperts) and isinstance(up, QuantExperts) and isinstance(down, QuantExperts):
+        return QuantExperts.concat([gate, up]), down
+
+    def as_float(w: ExpertMatrix) -> torch.Tensor:
+        return dequantize_ref(w.w, dtype).view(w.shape) if isinstance(w, QuantExperts) else w
+
+    return torch.cat([as_float(gate), as_float(up)], dim=1), as_float(down)
 
 
 def _expert_weights(t: dict[str, Weight], layer: int, config: ModelConfig, dtype: torch.dtype) -> ExpertWeights:
@@ -199,7 +234,7 @@ def _expert_weights(t: dict[str, Weight], layer: int, config: ModelConfig, dtype
         return t.pop(moe_tensor_name(role, layer), None)
 
     gate, up, down = take("gate"), take("up"), take("down")
-    assert isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)
+    assert all(isinstance(w, torch.Tensor | QuantExperts) for w in (gate, up, down))
     n_expert, ffn, hidden = gate.shape
     if up.shape != gate.shape or down.shape != (n_expert, hidden, ffn) or hidden != config.hidden:
         raise SpecserveError(f"layer {layer}: expert tensors of shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
@@ -212,8 +247,9 @@ def _expert_weights(t: dict[str, Weight], layer: int, config: ModelConfig, dtype
     if moe_tensor_name("shared_gate_proj", layer) in t:
         shared_gate_up = _fuse([take("shared_gate_proj"), take("shared_up")], dtype)  # type: ignore[list-item]
     shared_gate = take("shared_gate")
-    return ExpertWeights(router=router, gate_up=torch.cat([gate, up], dim=1), down=down,
-                         shared_gate_up=shared_gate_up, shared_down=take("shared_down"),
+    gate_up, down = _experts_as_loaded(gate, up, down, dtype)  # type: ignore[arg-type]
+    return ExpertWeights(router=router, gate_up=gate_up, down=down, shared_gate_up=shared_gate_up,
+                         shared_down=take("shared_down"),
                          shared_gate=None if shared_gate is None else shared_gate.reshape(1, hidden))
 
 
@@ -222,6 +258,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS)."""
     weight_format = resolve_weight_format(weight_format)
     names = _tensor_names(gguf, config)
+    pack_experts = weight_format != "float" and experts_stay_packed(device)
     tied_output = config.tied_embeddings and weight_format == "gguf"
     for name in names:
         gguf.tensor_shape(name)  # a missing tensor fails here, before any work
@@ -229,10 +266,15 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     workers = min(8, os.cpu_count() or 1)
     with tqdm(total=len(names) + tied_output, desc="load", unit="tensor", disable=not progress,
               leave=False) as bar, ThreadPoolExecutor(workers) as pool:
-        def load(name: str) -> Weight:
-            quant = _load_packed(gguf, name, device) if weight_format == "gguf" and _is_matrix(name) else None
+        def load(name: str) -> Weight | QuantExperts:
+            quant: Weight | QuantExperts | None = None
+            if weight_format == "gguf" and _is_matrix(name):
+                quant = _load_packed(gguf, name, device)
+            elif weight_format == "gguf" and pack_experts and _is_experts(name):
+                quant = _load_packed_experts(gguf, name, device)
             if quant is None:
-                fp32 = weight_format == "q8" and _is_matrix(name)  # quantized from exact values below
+                # quantized from exact values below
+                fp32 = weight_format == "q8" and (_is_matrix(name) or (pack_experts and _is_experts(name)))
                 quant = gguf.load_tensor(name, torch.float32 if fp32 else dtype, device)
             bar.update(1)
             return quant
@@ -241,10 +283,10 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
             t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
             bar.update(1)
-    n_experts = sum(name.endswith(EXPERT_SUFFIXES) for name in names)
-    if n_experts and weight_format != "float":
-        log.warning("the %d stacked expert tensors load as float (%s): the %s weight format packs 2-D matrices "
-                    "only", n_experts, dtype, weight_format)
+    n_float = sum(_is_experts(name) and isinstance(t[name], torch.Tensor) for name in names)
+    if n_float and weight_format != "float" and not (pack_experts and weight_format == "q8"):  # q8: packed below
+        why = "of types that cannot be packed" if pack_experts else f"packed experts run on CUDA, not on {device}"
+        log.warning("%d of the stacked expert tensors load as float (%s): %s", n_float, dtype, why)
 
     def opt(name: str) -> Weight | None:
         return t.get(name)
