@@ -3,7 +3,13 @@
 One reference covers every variant of spec/moe-routing.md: softmax or sigmoid gating, an expert bias
 that steers selection only, top-k with ties to the lower expert id, normalisation by max(sum, clamp), a
 scale, and delayed softmax (top-k on the raw logits, then softmax over the k chosen). `route` is the
-entry the model calls; `Routing` holds one model's choice of variant.
+entry the model calls: the fused Triton kernel (moe_routing_triton.py) where it runs and covers the shape,
+the reference elsewhere; `Routing` holds one model's choice of variant.
+
+The gate is computed in float64 and rounded once to fp32, and selection runs on those fp32 values. Two
+implementations of an fp32 softmax or sigmoid differ in the last bit now and then, which flips the order of
+experts whose values are within an ulp; two roundings of a float64 result differ only where it lies within
+~1e-16 of a rounding boundary, so the kernel and the reference pick the same ids, ties included.
 """
 
 from __future__ import annotations
@@ -13,11 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import SpecserveError
+from specserve.kernels.dispatch import triton_enabled
 
 GATINGS = ("softmax", "sigmoid")
 # The floor under the sum of the chosen weights before dividing by it (llama.cpp's: the smallest normal
 # fp16, 2^-14), so a token whose chosen experts all score ~0 does not divide to inf.
 NORM_CLAMP = 2.0**-14
+# What the fused kernel covers (spec/moe-routing.md): powers of two up to 512 experts and 576; any k.
+FUSED_N_EXPERT = frozenset([1 << i for i in range(10)] + [576])
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def top_k_lower_id(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,14 +58,15 @@ def _check(logits: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None,
 def route_ref(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | None = None, norm: bool = False,
               clamp: float = NORM_CLAMP, scale: float = 1.0,
               delayed_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of `route`, computed in fp32."""
+    """The torch reference of `route`: the gate in float64 rounded once to fp32, the rest in fp32."""
     _check(logits, k, gating, bias, norm, delayed_softmax)
     x = logits.float()
     if delayed_softmax:
         ids = top_k_lower_id(x, k)
-        weights = torch.softmax(x.gather(1, ids), dim=-1)
+        weights = torch.softmax(x.gather(1, ids).double(), dim=-1).float()
     else:
-        probs = torch.softmax(x, dim=-1) if gating == "softmax" else torch.sigmoid(x)
+        x64 = x.double()
+        probs = (torch.softmax(x64, dim=-1) if gating == "softmax" else torch.sigmoid(x64)).float()
         ids = top_k_lower_id(probs if bias is None else probs + bias.float(), k)
         weights = probs.gather(1, ids)  # the un-biased gated values of the chosen experts
         if norm:
@@ -76,9 +87,15 @@ def route(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | Non
     clamp). scale: weights multiplied by it. delayed_softmax: top-k on the raw logits, then softmax over
     the k chosen (softmax gating, without norm or bias).
 
-    This is the dispatch point for a fused routing kernel (one launch for the gate, top-k and weight
-    arithmetic, on the shapes spec/moe-routing.md lists): it would be chosen here and fall back to
-    `route_ref` elsewhere. None exists yet, so every call runs the reference."""
+    The fused Triton kernel runs where Triton does (CUDA tensors, or the interpreter) on float logits of
+    FUSED_N_EXPERT experts; every other call runs `route_ref`. Both give the same ids and weights within
+    fp32 rounding."""
+    _check(logits, k, gating, bias, norm, delayed_softmax)
+    if logits.shape[1] in FUSED_N_EXPERT and logits.dtype in FUSED_DTYPES and triton_enabled(logits):
+        from specserve.kernels import moe_routing_triton
+
+        return moe_routing_triton.route(logits, k, gating=gating, bias=bias, norm=norm, clamp=clamp, scale=scale,
+                                        delayed_softmax=delayed_softmax)
     return route_ref(logits, k, gating=gating, bias=bias, norm=norm, clamp=clamp, scale=scale,
                      delayed_softmax=delayed_softmax)
 
