@@ -25,13 +25,22 @@ for step in $steps; do
         spec) timeout 900 python3 benchmarks/spec_bench.py -m $T -md $D -n 256 --weight-format "$FORMAT" \
                   -o "$OUT/spec_${T}_cuda$sfx.json" 2>&1 | tail -22 ;;
         graphs) timeout 300 python3 benchmarks/graph_check.py -m $T -n 128 -o "$OUT/graph_check_$T.json" 2>&1 | tail -10 ;;
-        serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients 1,4,16,64 \
-                   --requests 2 -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
+        serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-1,4,16,64}" \
+                   --requests ${REQUESTS:-2} -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
                    ${CATEGORY:+--category "$CATEGORY"} -o "$OUT/serve_${T}_cuda$sfx${CATEGORY:+_$CATEGORY}.json" \
                    --server-args --weight-format "$FORMAT" 2>&1 | tail -20 ;;
         remote) timeout 600 python3 benchmarks/remote_bench.py -m $T --device cuda --weight-format "$FORMAT" \
+                    --transports "${TRANSPORTS:-unix,tcp}" \
                     -o "$OUT/remote_${T}_cuda$sfx.json" 2>&1 | tail -8 ;;
+        remoteserve) # serving through a remote host on this machine against the same server run locally
+            timeout 300 python3 -m specserve.cli remote-host --listen unix:/tmp/specserve-host.sock &
+            host=$!; sleep 5
+            timeout 400 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-64}" \
+                --requests ${REQUESTS:-2} -n 128 --modes none --prompts "$SPECSERVE_WORKLOADS" \
+                -o "$OUT/serve_${T}_remote$sfx.json" --server-args --weight-format "$FORMAT" \
+                --remote unix:/tmp/specserve-host.sock 2>&1 | tail -4
+            kill $host ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve remote slowtests)" ;;
+        *) echo "unknown step: $step (kernels bench spec graphs serve remote remoteserve slowtests)" ;;
     esac
 done

@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=3, help="code-edit prompts to decode after")
     ap.add_argument("--repeat", type=int, default=3, help="passes; the median is reported")
+    ap.add_argument("--transports", default="unix,tcp", help="comma-separated: unix, tcp")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
 
@@ -66,7 +67,11 @@ def main() -> None:
 
     measure("local", local)
     sock = Path(tempfile.mkdtemp()) / "host.sock"
-    for label, address in (("unix", f"unix:{sock}"), ("tcp", "tcp:127.0.0.1:47615")):
+    addresses = {"unix": f"unix:{sock}", "tcp": "tcp:127.0.0.1:47615"}
+    for label in args.transports.split(","):
+        if label not in addresses:
+            raise SystemExit(f"unknown transport '{label}' (unix, tcp)")
+        address = addresses[label]
         host = start_host(address)
         try:
             remote = RemoteRunner(address, str(path), n_ctx=4096, device=args.device or "",

@@ -27,8 +27,8 @@ def test_keeps_drafting_where_it_pays_and_stops_where_it_does_not(monkeypatch: p
     gate = DraftGate()
     # Four slots: a turn with drafts gives 8.8 tokens in 1.1 ms, without 4 tokens in 1.0 ms: drafting wins.
     one = simulate(monkeypatch, gate, 4, 40 * WINDOW, {True: 88, False: 40}, {True: 0.011, False: 0.010})
-    # 64 slots: drafts cost the overlap: 80 tokens in 12 ms with, 64 in 8 ms without.
-    many = simulate(monkeypatch, gate, 64, 40 * WINDOW, {True: 80, False: 64}, {True: 0.012, False: 0.008})
+    # Eight slots: drafts cost the overlap: 10 tokens in 12 ms with, 8 in 8 ms without.
+    many = simulate(monkeypatch, gate, 8, 40 * WINDOW, {True: 10, False: 8}, {True: 0.012, False: 0.008})
     settled = slice(4 * WINDOW, None)  # after both have been measured
     assert sum(one[settled]) / len(one[settled]) > 0.85
     assert sum(many[settled]) / len(many[settled]) < 0.15
@@ -57,17 +57,13 @@ def test_a_lone_slot_always_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(simulate(monkeypatch, gate, 1, 10 * WINDOW, {True: 1, False: 50}, {True: 1.0, False: 0.001}))
 
 
-def test_turns_reading_prompts_are_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_many_slots_never_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MAX_DRAFTING_SLOTS the windows misjudge (H200: drafting chosen, wall clock lost): no drafts,
+    even where a window would say they pay."""
     gate = DraftGate()
-    clock = [0.0]
-    monkeypatch.setattr(draft_gate.time, "perf_counter", lambda: clock[0])
-    for turn in range(4 * WINDOW):
-        prompting = turn % 3 == 0  # every third turn also reads a prompt chunk: slow, whatever the choice
-        mode = gate.allow(4, prompting)
-        gate.count(20 if mode else 10)
-        clock[0] += 1.0 if prompting else 0.01
-    bucket = gate._buckets[draft_gate.DraftGate._key(4)]
-    assert bucket.rates[True] == pytest.approx(2000) and bucket.rates[False] == pytest.approx(1000)
+    n = draft_gate.MAX_DRAFTING_SLOTS + 1
+    assert not any(simulate(monkeypatch, gate, n, 10 * WINDOW, {True: 900, False: 10}, {True: 0.01, False: 0.01}))
+    assert not gate._buckets  # nothing measured there
 
 
 def test_draft_cap_shares_rows_among_many_slots_and_leaves_few_alone() -> None:

@@ -6,8 +6,13 @@ slots the host's work per step is what limits throughput and a few accepted toke
 overlap. Which side wins depends on the model, the device, the load and the text, so it is measured on the
 live load: generated tokens per second over windows of turns with drafts and without, per power-of-two
 count of generating slots, with a window of the other choice now and then to keep both figures fresh.
-A lone slot always drafts (on the code edits it gains x2 through the server). Turns that read prompt rows
-are not measured: a prompt chunk costs what it costs whichever the choice, and would only add noise.
+A lone slot always drafts (on the code edits it gains x2 through the server). Every turn is measured,
+prompt chunks too: drafting spreads the ends of requests, so later prompts arrive one by one into
+unchained turns, and that cost belongs to the choice.
+
+Above MAX_DRAFTING_SLOTS generating slots nothing drafts. There the windows misjudge: a window's rate
+cannot see what drafting does to later turns, and on the H200 the gate let 64 slots draft in 68-81% of
+turns while the wall clock lost 20-35% (docs/perf.md). `--draft-policy always` drafts regardless.
 
 With many slots the drafts of one step are also capped (`draft_cap`): a verify step's rows grow with the
 sum of all drafts, and a few drafted tokens per slot keep most of the gain at a fraction of the rows.
@@ -23,6 +28,7 @@ EXPLORE_EVERY = 16  # windows of the better choice between two windows of the ot
 SMOOTHING = 0.5  # weight of the newest window in a rate
 DRAFT_ROWS = 128  # draft rows of one step, shared by the generating slots
 MIN_DRAFT = 2  # drafts a slot may make however many slots there are
+MAX_DRAFTING_SLOTS = 8  # with more generating slots, no slot drafts
 
 
 def draft_cap(n_slots: int) -> int:
@@ -50,16 +56,15 @@ class DraftGate:
     def _key(n_slots: int) -> int:
         return max(n_slots, 1).bit_length()
 
-    def allow(self, n_slots: int, prompt_rows: bool = False) -> bool:
-        """Called at the start of every turn with the number of generating slots, and whether the turn reads
-        prompt rows (such turns are not measured): may the slots draft?"""
+    def allow(self, n_slots: int) -> bool:
+        """Called at the start of every turn with the number of generating slots: may they draft?"""
         now = time.perf_counter()
         self._close(now)
-        if n_slots < 2:  # one slot: its verify steps cost little more than a decode step, drafts always pay
+        if n_slots < 2 or n_slots > MAX_DRAFTING_SLOTS:  # one slot: drafts always pay; many: see above
             self.pause()
-            return True
+            return n_slots < 2
         bucket = self._buckets.setdefault(self._key(n_slots), _Bucket())
-        self._last = None if prompt_rows else (bucket, now)
+        self._last = (bucket, now)
         return bucket.allow
 
     def pause(self) -> None:

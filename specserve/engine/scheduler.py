@@ -154,8 +154,7 @@ class Scheduler(SlotResults):
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
         self._draft_cap = draft_cap(generating)
         if self._gate is not None:
-            prompting = any(s.state == SlotState.PROMPT for s in self.slots)
-            self._drafts_allowed = self._gate.allow(generating, prompting)
+            self._drafts_allowed = self._gate.allow(generating)
         if generating > 1:
             with self._cond:
                 if self._drafts_allowed:
