@@ -57,25 +57,22 @@ def _scale_min(sm_ptr, offs, mask):
 
 
 @triton.jit
-def _gemv_quant_row_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
-                           G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """One row on CUDA cores. Per group: s * sum(u x) - min * sum(x), where sum(u x) comes from the
-    fields read as 1 + u / 2^BITS: sum((1 + u / 2^BITS) x) = sum(x) + sum(u x) / 2^BITS."""
-    PER: tl.constexpr = 32 // BITS  # integers per word
-    WPG: tl.constexpr = G // PER  # words per group
+def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                  SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row at x_ptr ([K], or [gate | up] of 2K with SILU_IN) times the packed weight rows
+    `rows` (int64 [BLOCK_N], rows of the stacked matrix) -> fp32 [BLOCK_N]. Per group:
+    s * sum(u x) - min * sum(x), with sum(u x) = (sum((1 + u / 2^BITS) x) - sum(x)) * 2^BITS."""
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // PER
     NG: tl.constexpr = BLOCK_K // G
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    n64 = n.to(tl.int64)
     g = tl.arange(0, NG)
     j = tl.arange(0, WPG)
     acc = tl.zeros([BLOCK_N, NG], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         grp = k0 // G + g
         g_mask = grp < K // G
-        gofs = n64[:, None] * (K // G) + grp[None, :]  # [BLOCK_N, NG]
-        gn_mask = n_mask[:, None] & g_mask[None, :]
+        gofs = rows[:, None] * (K // G) + grp[None, :]
+        gn_mask = r_mask[:, None] & g_mask[None, :]
         words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
         part = tl.zeros([BLOCK_N, NG, WPG], tl.float32)
         x_sum = tl.zeros([NG, WPG], tl.float32)
@@ -86,33 +83,39 @@ def _gemv_quant_row_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, N, K: tl.conste
         sx = tl.sum(x_sum, axis=1)[None, :]
         s, mn = _scale_min(sm_ptr, gofs, gn_mask)
         acc += s * ((tl.sum(part, axis=2) - sx) * (1 << BITS)) - mn * sx
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_quant_row_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
+                           G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """One row on CUDA cores (`_row_products`)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    y = _row_products(x_ptr, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS, G, SILU_IN, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _gemv_quant_dot_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
-                           BITS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1..16 rows on tensor cores (rows padded to 16): each bit field of a K step is dequantized to
+def _tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.constexpr, BITS: tl.constexpr,
+                   G: tl.constexpr, SILU_IN: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """BM activation rows (starting at x_ptr + x_offs, int64 [BM]) times the packed weight rows `rows`
+    (int64 [BLOCK_N]) on tensor cores -> fp32 [BM, BLOCK_N]: each bit field of a K step is dequantized to
     the activation dtype and enters its own dot with the matching run of k."""
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // PER
     NG: tl.constexpr = BLOCK_K // G
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    n64 = n.to(tl.int64)
-    m = tl.arange(0, 16)
-    m_mask = m < M
     g = tl.arange(0, NG)
     j = tl.arange(0, WPG)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    acc = tl.zeros([BM, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         grp = k0 // G + g
         g_mask = grp < K // G
-        gofs = n64[:, None] * (K // G) + grp[None, :]
+        gofs = rows[:, None] * (K // G) + grp[None, :]
         gn_mask = n_mask[:, None] & g_mask[None, :]
         words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
         s, mn = _scale_min(sm_ptr, gofs, gn_mask)
@@ -120,9 +123,23 @@ def _gemv_quant_dot_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, M, N, stride_xm
         c = a + mn[:, :, None]
         for i in tl.static_range(PER):
             w = (_field(words, i, BITS) * a - c).to(x_ptr.dtype.element_ty)
-            xi = _load_x(x_ptr, m[:, None, None] * stride_xm + grp[None, :, None] * G + i * WPG + j[None, None, :],
+            xi = _load_x(x_ptr, x_offs[:, None, None] + grp[None, :, None] * G + i * WPG + j[None, None, :],
                          m_mask[:, None, None] & g_mask[None, :, None], K, SILU_IN)
-            acc += tl.dot(tl.reshape(xi, [16, NG * WPG]), tl.trans(tl.reshape(w, [BLOCK_N, NG * WPG])))
+            acc += tl.dot(tl.reshape(xi, [BM, NG * WPG]), tl.trans(tl.reshape(w, [BLOCK_N, NG * WPG])))
+    return acc
+
+
+@triton.jit
+def _gemv_quant_dot_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
+                           BITS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1..16 rows on tensor cores (rows padded to 16, `_tile_products`)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    m = tl.arange(0, 16)
+    m_mask = m < M
+    acc = _tile_products(x_ptr, m.to(tl.int64) * stride_xm, m_mask, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS,
+                         G, SILU_IN, 16, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # round through the activation dtype first, as F.linear(...).to(out) would

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.linear import MAX_SLICED_ROWS
-from specserve.kernels.linear_triton import INTERPRET, _field, _load_x, _scale_min
+from specserve.kernels.linear_triton import INTERPRET, _row_products, _tile_products
 
 if TYPE_CHECKING:
     from specserve.kernels.moe_experts import QuantExperts
@@ -30,36 +30,6 @@ if TYPE_CHECKING:
 # Up to this many tokens each pair runs on its own (the decode kernels), as the dense path's packed
 # products run up to this many rows through the decode-size kernels; more take the grouped GEMM.
 MAX_PAIR_TOKENS = MAX_SLICED_ROWS
-
-
-@triton.jit
-def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                  SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row at x_ptr ([K], or [gate | up] of 2K with SILU_IN) times the packed weight rows
-    `rows` (int64 [BLOCK_N], rows of the stacked matrix) -> fp32 [BLOCK_N]. Per group:
-    s * sum(u x) - min * sum(x), with sum(u x) = (sum((1 + u / 2^BITS) x) - sum(x)) * 2^BITS."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // PER
-    NG: tl.constexpr = BLOCK_K // G
-    g = tl.arange(0, NG)
-    j = tl.arange(0, WPG)
-    acc = tl.zeros([BLOCK_N, NG], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        grp = k0 // G + g
-        g_mask = grp < K // G
-        gofs = rows[:, None] * (K // G) + grp[None, :]
-        gn_mask = r_mask[:, None] & g_mask[None, :]
-        words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
-        part = tl.zeros([BLOCK_N, NG, WPG], tl.float32)
-        x_sum = tl.zeros([NG, WPG], tl.float32)
-        for i in tl.static_range(PER):
-            xi = _load_x(x_ptr, grp[:, None] * G + i * WPG + j[None, :], g_mask[:, None], K, SILU_IN).to(tl.float32)
-            part += _field(words, i, BITS) * xi[None, :, :]
-            x_sum += xi
-        sx = tl.sum(x_sum, axis=1)[None, :]
-        s, mn = _scale_min(sm_ptr, gofs, gn_mask)
-        acc += s * ((tl.sum(part, axis=2) - sx) * (1 << BITS)) - mn * sx
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -111,28 +81,10 @@ def _grouped_kernel(x_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_
     x_row = pair // N_SLOTS if BY_TOKEN else pair
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    rows = expert * N + n
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // PER
-    NG: tl.constexpr = BLOCK_K // G
-    g = tl.arange(0, NG)
-    j = tl.arange(0, WPG)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
     if expert >= 0:
-        for k0 in range(0, K, BLOCK_K):
-            grp = k0 // G + g
-            g_mask = grp < K // G
-            gofs = rows[:, None] * (K // G) + grp[None, :]
-            gn_mask = n_mask[:, None] & g_mask[None, :]
-            words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
-            s, mn = _scale_min(sm_ptr, gofs, gn_mask)
-            a = (s * (1 << BITS))[:, :, None]  # (1 + u / 2^BITS) * a - (a + min) = s * u - min
-            c = a + mn[:, :, None]
-            for i in tl.static_range(PER):
-                w = (_field(words, i, BITS) * a - c).to(x_ptr.dtype.element_ty)
-                xi = _load_x(x_ptr, x_row[:, None, None] * stride_x + grp[None, :, None] * G + i * WPG
-                             + j[None, None, :], m_mask[:, None, None] & g_mask[None, :, None], K, SILU_IN)
-                acc += tl.dot(tl.reshape(xi, [BM, NG * WPG]), tl.trans(tl.reshape(w, [BLOCK_N, NG * WPG])))
+        acc = _tile_products(x_ptr, x_row * stride_x, m_mask, w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G,
+                             SILU_IN, BM, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + pair[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
