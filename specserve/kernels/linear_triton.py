@@ -57,6 +57,21 @@ def _scale_min(sm_ptr, offs, mask):
 
 
 @triton.jit
+def _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K: tl.constexpr, G: tl.constexpr, WPG: tl.constexpr,
+            NG: tl.constexpr):
+    """The NG groups of one K step from k0 of the packed weight rows `rows`: (group ids, their mask,
+    words [rows, NG, WPG], scales and mins [rows, NG])."""
+    grp = k0 // G + tl.arange(0, NG)
+    g_mask = grp < K // G
+    gofs = rows[:, None] * (K // G) + grp[None, :]
+    gn_mask = r_mask[:, None] & g_mask[None, :]
+    words = tl.load(w_ptr + gofs[:, :, None] * WPG + tl.arange(0, WPG)[None, None, :], mask=gn_mask[:, :, None],
+                    other=0)
+    s, mn = _scale_min(sm_ptr, gofs, gn_mask)
+    return grp, g_mask, words, s, mn
+
+
+@triton.jit
 def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                   SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One activation row at x_ptr ([K], or [gate | up] of 2K with SILU_IN) times the packed weight rows
@@ -65,15 +80,10 @@ def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // PER
     NG: tl.constexpr = BLOCK_K // G
-    g = tl.arange(0, NG)
     j = tl.arange(0, WPG)
     acc = tl.zeros([BLOCK_N, NG], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        grp = k0 // G + g
-        g_mask = grp < K // G
-        gofs = rows[:, None] * (K // G) + grp[None, :]
-        gn_mask = r_mask[:, None] & g_mask[None, :]
-        words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
+        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K, G, WPG, NG)
         part = tl.zeros([BLOCK_N, NG, WPG], tl.float32)
         x_sum = tl.zeros([NG, WPG], tl.float32)
         for i in tl.static_range(PER):
@@ -81,7 +91,6 @@ def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.
             part += _field(words, i, BITS) * xi[None, :, :]
             x_sum += xi
         sx = tl.sum(x_sum, axis=1)[None, :]
-        s, mn = _scale_min(sm_ptr, gofs, gn_mask)
         acc += s * ((tl.sum(part, axis=2) - sx) * (1 << BITS)) - mn * sx
     return tl.sum(acc, axis=1)
 
@@ -109,16 +118,10 @@ def _tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.con
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // PER
     NG: tl.constexpr = BLOCK_K // G
-    g = tl.arange(0, NG)
     j = tl.arange(0, WPG)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        grp = k0 // G + g
-        g_mask = grp < K // G
-        gofs = rows[:, None] * (K // G) + grp[None, :]
-        gn_mask = n_mask[:, None] & g_mask[None, :]
-        words = tl.load(w_ptr + gofs[:, :, None] * WPG + j[None, None, :], mask=gn_mask[:, :, None], other=0)
-        s, mn = _scale_min(sm_ptr, gofs, gn_mask)
+        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, n_mask, k0, K, G, WPG, NG)
         a = (s * (1 << BITS))[:, :, None]  # (1 + u / 2^BITS) * a - (a + min) = s * u - min
         c = a + mn[:, :, None]
         for i in tl.static_range(PER):
