@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specserve import __version__
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
-from specserve.server import metrics, openapi
+from specserve.server import metrics, openapi, webui
 from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
@@ -77,9 +77,10 @@ class GateMiddleware:
         if self.state.admission.draining:  # /health too: a load balancer stops sending here
             await Unavailable(SHUTTING_DOWN).response()(scope, receive, send)
             return
-        if self.state.api_key and path not in PUBLIC_PATHS and not self._key_ok(scope):
+        page = webui.is_page_path(path)  # the chat page and its files: no key, and served while loading
+        if self.state.api_key and path not in PUBLIC_PATHS and not page and not self._key_ok(scope):
             status, message = 401, "Invalid API Key"
-        elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json"):
+        elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json") and not page:
             status, message = 503, "Loading model"
         if status:
             await error_response(status, message)(scope, receive, send)
@@ -186,6 +187,7 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
     app.add_middleware(RequestLogMiddleware)  # outermost: every answer is logged
     _add_error_handlers(app)
     _add_routes(app, state)
+    webui.install(app)
     openapi.install(app)
     return app
 
