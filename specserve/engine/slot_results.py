@@ -64,7 +64,11 @@ class SlotResults:
         if picked is not None:
             return slot.sampler.accept(picked, draft)
         assert rows is not None
-        return slot.sampler.sample_and_verify(rows, draft) if draft else [slot.sampler.sample(rows[0])]
+        constraint = slot.task.constraint
+        if constraint is not None:  # forbidden tokens at -inf before argmax or sampling; a forbidden draft
+            rows = constraint.apply(rows, draft)  # token can then never match its row: it is rejected
+        out = slot.sampler.sample_and_verify(rows, draft) if draft else [slot.sampler.sample(rows[0])]
+        return out if constraint is None else constraint.advance(out)
 
     def _after_prompt_chunk(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
         slot = e.slot
@@ -146,6 +150,8 @@ class SlotResults:
                 break
         if self._gate is not None:
             self._gate.count(len(emitted))
+        if not stop_type and task.constraint is not None and task.constraint.done:
+            stop_type = "eos"  # the grammar is complete: nothing but end-of-generation could follow
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
         if context_full:
             stop_type = "limit"

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specserve.engine.constraints import Constraint
 from specserve.engine.sampling import SamplingParams
 from specserve.speculative.base import SpecParams
 
@@ -31,6 +32,8 @@ class Task:
     cache_prompt: bool = True
     n_probs: int = 0  # top log-probabilities reported per generated token
     ignore_eos: bool = False  # generate past end-of-generation tokens (benchmarks)
+    # grammar / JSON schema: this task's own matcher state (GrammarCompiler.compile() makes one per task)
+    constraint: Constraint | None = None
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:
@@ -42,6 +45,7 @@ class Task:
             "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
             "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
+            "grammar": self.constraint.source.text if self.constraint is not None else "",
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,
             "speculative.type": p.type, "speculative.ngram_size_n": p.ngram_size_n,
             "speculative.ngram_size_m": p.ngram_size_m, "speculative.ngram_c_rate": p.ngram_check_rate,

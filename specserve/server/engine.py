@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve import catalog
+from specserve.engine.constraints import GrammarCompiler
 from specserve.engine.loading import RemoteOptions, load_with_draft
 from specserve.engine.local_runner import LocalRunner, checked_device
 from specserve.engine.sampling import SamplingParams
@@ -94,6 +95,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.encoder = TextEncoder(tokenizer)
         self.control_tokens = ControlTokens(self.encoder)
+        self.grammars = GrammarCompiler(tokenizer)  # grammar / json_schema / response_format requests
         if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
             raise SpecserveError("the draft runner needs one sequence per slot")
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
@@ -123,6 +125,7 @@ class Engine:
         if draft_runner is not None:
             draft_runner.warmup(max_rows=1)  # the draft model decodes one token per forward
         engine = cls(settings, path, runner, draft_runner, Tokenizer.from_gguf(runner.gguf))
+        engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
         engine.scheduler.start()
         return engine
 
@@ -198,8 +201,12 @@ class Engine:
         room = self.n_ctx - len(prompt) + 1
         if n_predict > room:
             n_predict = room
+        source = fields.grammar_source()
+        # Compiled here, in the request's worker thread (never on the event loop or the scheduler's thread).
+        constraint = self.grammars.compile(source) if source is not None else None
         return Task(prompt=prompt, sampling=sampling, spec=spec, n_predict=n_predict, stop=fields.stop_list(),
-                    cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos)
+                    cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
+                    constraint=constraint)
 
     def default_params(self) -> dict[str, object]:
         s = self.settings

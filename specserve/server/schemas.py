@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
 
 SPEC_FIELDS = {  # request key -> SpecParams field
@@ -35,6 +36,34 @@ class _Strict(BaseModel):
 
 def _finite(**kw: Any) -> Any:
     return Field(None, allow_inf_nan=False, **kw)
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema; only `schema` constrains (name, description, strict are
+    accepted and otherwise unused: every schema is enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format; `schema` beside type json_object is llama-server's extension."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    def source(self) -> GrammarSource | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":  # OpenAI: a JSON object (llama-server: any value when no schema)
+            return GrammarSource.json_schema(self.schema_ if self.schema_ is not None else {"type": "object"})
+        if self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        schema = self.json_schema.schema_
+        return GrammarSource.json_schema(schema if schema is not None else {})
 
 
 class GenerationFields(_Strict):
@@ -61,6 +90,10 @@ class GenerationFields(_Strict):
     spec_ngram_size_m: int | None = Field(None, alias="speculative.ngram_size_m")
     spec_ngram_c_rate: int | None = Field(None, alias="speculative.ngram_c_rate")
     spec_ngram_m_hits: int | None = Field(None, alias="speculative.ngram_m_hits")
+    # Constrained output (engine/constraints.py): at most one of these; "" grammar = none, as llama-server.
+    grammar: str | None = None  # llama.cpp GBNF
+    json_schema: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +117,25 @@ class GenerationFields(_Strict):
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
         return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> GenerationFields:
+        given = [name for name, on in (("grammar", bool(self.grammar)), ("json_schema", self.json_schema is not None),
+                                       ("response_format", self.response_format is not None
+                                        and self.response_format.type != "text")) if on]
+        if len(given) > 1:
+            raise ValueError(f"give one of grammar, json_schema and response_format, not {' and '.join(given)}")
+        if self.response_format is not None:
+            self.response_format.source()  # a json_schema type without its json_schema: say so here
+        return self
+
+    def grammar_source(self) -> GrammarSource | None:
+        """What the output is constrained by, if anything (compiled by the engine, off the event loop)."""
+        if self.grammar:
+            return GrammarSource("gbnf", self.grammar)
+        if self.json_schema is not None:
+            return GrammarSource.json_schema(self.json_schema)
+        return self.response_format.source() if self.response_format is not None else None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -164,10 +216,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]  # JSON-constrained output is not supported
-
-
 class ChatTemplateFields(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -192,7 +240,6 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
-    response_format: ResponseFormat | None = None
     # Control-token text in messages and tools is tokenized as text unless this is true (docs/compatibility.md).
     parse_special: bool = False
 
