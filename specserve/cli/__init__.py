@@ -19,11 +19,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_follower(args: argparse.Namespace) -> Callable[[], int] | None:
+    """Under torchrun with --tensor-parallel, every rank but 0 follows rank 0 instead of running the command
+    (rank 0 sends it the model to load): what to run then, else None."""
+    if getattr(args, "tensor_parallel", 1) <= 1:
+        return None
+    from specserve.engine.tp_launch import torchrun_env
+
+    env = torchrun_env()
+    if env is None or env.rank == 0:
+        return None
+    from specserve.engine.local_runner import checked_device
+    from specserve.engine.tp_worker import follow_torchrun
+
+    device_type = checked_device(args.device).type
+    return lambda: follow_torchrun(device_type)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        follower = _torchrun_follower(args)
+        if follower is not None:
+            return follower()
         return func(args)
     except SpecserveError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -24,6 +24,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="matrices in memory: auto = gguf on a CPU with AVX-512 and a C compiler, else float; "
                         "float = bf16 on CUDA, fp32 on CPU; gguf = the file's own quantization kept, 4/8-bit "
                         "(fewer bytes a token: faster decode, slower verify steps on CUDA); q8 = Q8_0-style 8-bit")
+    p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU a "
+                        "rank); starts N-1 follower processes, or, under torchrun, joins its ranks (float weights)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +84,16 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-timeout", type=float, default=STEP_TIMEOUT,
                    help=f"seconds without a reply or a keep-alive (the host sends one every {KEEPALIVE_INTERVAL:g} s "
                         f"while it works) before the host counts as gone (default {STEP_TIMEOUT:g})")
+
+
+def tensor_parallel_from_args(args: argparse.Namespace) -> int:
+    """--tensor-parallel N, checked against the flags it cannot go with."""
+    n: int = args.tensor_parallel
+    if n < 1:
+        raise SpecserveError(f"--tensor-parallel must be at least 1, got {n}")
+    if n > 1 and getattr(args, "remote", None) is not None:
+        raise SpecserveError("--tensor-parallel splits a model run here; it does not go with --remote")
+    return n
 
 
 def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:

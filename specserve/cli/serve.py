@@ -84,7 +84,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from specserve.cli.args import remote_from_args, sampling_params_from_args, spec_params_from_args
+    from specserve.cli.args import (
+        remote_from_args,
+        sampling_params_from_args,
+        spec_params_from_args,
+        tensor_parallel_from_args,
+    )
     from specserve.server.app import create_app
     from specserve.server.engine import ServerSettings, check_settings
     from specserve.server.lifecycle import GracefulServer
@@ -102,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
+        tensor_parallel=tensor_parallel_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),

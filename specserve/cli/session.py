@@ -9,7 +9,12 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from specserve.cli.args import remote_from_args, sampling_params_from_args, spec_params_from_args
+from specserve.cli.args import (
+    remote_from_args,
+    sampling_params_from_args,
+    spec_params_from_args,
+    tensor_parallel_from_args,
+)
 from specserve.engine.generate import run_task
 from specserve.engine.loading import RemoteOptions, load_with_draft
 from specserve.engine.runner import Runner
@@ -38,9 +43,10 @@ class GenerationSession:
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
              progress: bool = True, weight_format: str = "auto",
-             remote: RemoteOptions | None = None) -> GenerationSession:
+             remote: RemoteOptions | None = None, tensor_parallel: int = 1) -> GenerationSession:
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
-                                                  progress=progress, weight_format=weight_format)
+                                                  progress=progress, weight_format=weight_format,
+                                                  tensor_parallel=tensor_parallel)
         return cls(runner, Tokenizer.from_gguf(runner.gguf), sampling or SamplingParams(),
                    (spec or SpecParams()).validate(), draft_runner)
 
@@ -48,7 +54,8 @@ class GenerationSession:
     def from_args(cls, args: argparse.Namespace) -> GenerationSession:
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
                         draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
-                        weight_format=args.weight_format, remote=remote_from_args(args))
+                        weight_format=args.weight_format, remote=remote_from_args(args),
+                        tensor_parallel=tensor_parallel_from_args(args))
 
     def prompt_tokens(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:

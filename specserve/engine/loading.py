@@ -10,6 +10,7 @@ from typing import Any
 from specserve import catalog
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.runner import Runner
+from specserve.engine.tp_runner import start_tensor_parallel
 from specserve.gguf.vocab_check import check_vocab_compatible
 from specserve.remote.client import RemoteRunner
 from specserve.remote.protocol import STEP_TIMEOUT
@@ -23,13 +24,15 @@ class RemoteOptions:
 
 
 def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,
-                    **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
+                    tensor_parallel: int = 1, **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
     """The target's runner, the draft's if a draft model is given (same settings and context size,
-    vocabulary checked against the target's), and the target's path (on the host, for a remote one)."""
+    vocabulary checked against the target's), and the target's path (on the host, for a remote one).
+    tensor_parallel > 1: the target split over that many ranks (tp_runner.py); the draft runs on rank 0 alone."""
     if remote is not None:
         return _load_remote(model or catalog.DEFAULT_MODEL, draft, remote, **runner_args)
     path = catalog.resolve(model)
-    runner = LocalRunner(path, **runner_args)
+    runner: LocalRunner = (start_tensor_parallel(path, tensor_parallel, **runner_args) if tensor_parallel > 1
+                           else LocalRunner(path, **runner_args))
     if draft is None:
         return runner, None, path
     draft_runner = LocalRunner(catalog.resolve(draft), **{**runner_args, "n_ctx": runner.n_ctx})

@@ -107,7 +107,7 @@ class LocalRunner:
         if self.n_ctx < 1 or n_seqs < 1:
             raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
         self.n_seqs = n_seqs
-        self.model = Transformer(config, weights, self.n_ctx)
+        self.model = self._build_model(config, weights)
         cfg = config
         use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
                       and triton_enabled(weights.embed))
@@ -128,6 +128,10 @@ class LocalRunner:
         self.graphs = (GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs, ring=self._ring)
                        if use_graphs else None)
         freeze_gc()
+
+    def _build_model(self, config: ModelConfig, weights: ModelWeights) -> Transformer:
+        """The forward the runner drives (a tensor-parallel shard runner builds its rank's instead)."""
+        return Transformer(config, weights, self.n_ctx)
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to

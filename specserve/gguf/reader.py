@@ -75,27 +75,37 @@ class GGUFFile:
         return tuple(int(d) for d in reversed(self._tensor(name).shape))
 
     def load_tensor(self, name: str, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
-        """Dequantize one tensor to `dtype` on `device`, in torch dimension order."""
+                    device: torch.device | str = "cpu", rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Dequantize one tensor to `dtype` on `device`, in torch dimension order. rows = (start, stop): only
+        those rows of the first dimension, read and decoded alone (a row is whole blocks in every format), so
+        a tensor-parallel rank never decodes the rows of the others."""
         t = self._tensor(name)
         if t.tensor_type not in SUPPORTED_TYPES:
             raise SpecserveError(f"{self.path}: tensor {name} has unsupported type {t.tensor_type.name}")
+        shape = self.tensor_shape(name)
+        data = t.data
+        if rows is not None:
+            start, stop = rows
+            if not 0 <= start <= stop <= shape[0]:
+                raise SpecserveError(f"{self.path}: rows {start}..{stop} of tensor {name} with {shape[0]} rows")
+            data = data[start:stop]  # (the memory map's rows: torch order's first dimension)
+            shape = (stop - start, *shape[1:])
         try:
             if t.tensor_type == GGMLQuantizationType.F32:
-                array = np.asarray(t.data, dtype=np.float32)
+                array = np.asarray(data, dtype=np.float32)
             elif t.tensor_type == GGMLQuantizationType.F16:
-                array = np.asarray(t.data, dtype=np.float16)
+                array = np.asarray(data, dtype=np.float16)
             elif t.tensor_type == GGMLQuantizationType.BF16:
-                raw = torch.from_numpy(np.array(t.data, copy=True).view(np.int16))
-                return raw.view(torch.bfloat16).reshape(self.tensor_shape(name)).to(device=device, dtype=dtype)
+                raw = torch.from_numpy(np.array(data, copy=True).view(np.int16))
+                return raw.view(torch.bfloat16).reshape(shape).to(device=device, dtype=dtype)
             else:
-                array = dequantize(t.data, t.tensor_type)
+                array = dequantize(data, t.tensor_type)
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
         array = np.ascontiguousarray(array)
         if not array.flags.writeable:  # memory-mapped input: torch wants its own copy
             array = array.copy()
-        tensor = torch.from_numpy(array).reshape(self.tensor_shape(name))
+        tensor = torch.from_numpy(array).reshape(shape)
         return tensor.to(device=device, dtype=dtype)
 
     def load_quant(self, name: str, device: torch.device | str = "cpu") -> QuantInts | None:

@@ -47,6 +47,7 @@ class ServerSettings:
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
     remote: RemoteOptions | None = None  # run the model on a remote host
+    tensor_parallel: int = 1  # ranks the model is split over (engine/tp_runner.py)
     alias: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
@@ -118,7 +119,8 @@ class Engine:
         runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
                                                      n_seqs=settings.n_parallel, n_ctx=n_ctx,
                                                device=settings.device, progress=progress,
-                                               weight_format=settings.weight_format)
+                                               weight_format=settings.weight_format,
+                                               tensor_parallel=settings.tensor_parallel)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
         runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))
