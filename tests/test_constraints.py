@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.engine.constraints import Constraint, GrammarCompiler, GrammarSource
+from specserve.engine.constraints import (
+    Constraint,
+    GrammarCompiler,
+    GrammarSource,
+    masked_on_device,
+    masked_on_host,
+)
 from specserve.engine.generate import run_task
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
@@ -118,6 +124,19 @@ def test_draft_masks_walk_and_roll_back(tokenizer: Tokenizer, grammars: GrammarC
     assert not rows[len(good)][bad[0]]  # the forbidden draft token is masked at its own row: never accepted
 
 
+@pytest.mark.parametrize("vocab", [70, 64, 40])  # wider logits than the mask (padding ids), equal, narrower
+def test_host_and_device_masking_agree(vocab: int) -> None:
+    words = torch.tensor([[0x0000_0005, -1], [-(2**31), 0x1]], dtype=torch.int32)  # bits 0, 2 | 31, 32
+    rows = torch.randn(2, vocab)
+    host, device = masked_on_host(rows, words), masked_on_device(rows, words)
+    assert torch.equal(host, device)
+    finite = torch.isfinite(host)
+    assert finite[0, :3].tolist() == [True, False, True] and finite[0, 32:min(vocab, 64)].all()
+    assert finite[1].nonzero().flatten().tolist() == [31, 32][: 2 if vocab > 32 else 1]
+    assert not finite[:, 64:].any()
+    assert torch.equal(host[finite], rows[finite])
+
+
 def test_invalid_grammars_name_the_problem(grammars: GrammarCompiler) -> None:
     with pytest.raises(SpecserveError, match="invalid grammar: .*Rule 'nope' not found"):
         grammars.compile(GrammarSource("gbnf", "root ::= nope"))
@@ -150,6 +169,20 @@ def test_speculation_under_a_grammar_changes_nothing(scheduler: Scheduler, token
     assert text == plain
     assert set(text) <= set(" abcde,")
     # Drafts were made and some were rejected (the history's f g h is forbidden).
+    assert 0 < result.draft_n_accepted < result.draft_n
+
+
+@pytest.mark.slow  # a second runner takes ~11 s to load here; the ngram tests cover the same verify path
+def test_draft_model_under_a_grammar_changes_nothing(runner: LocalRunner, tokenizer: Tokenizer,
+                                                      grammars: GrammarCompiler, smollm_path: Path) -> None:
+    # The target as its own draft model (p_min 0: it drafts every time); its " f g h" drafts are forbidden.
+    draft = LocalRunner(smollm_path, n_seqs=2, n_ctx=256, device="cpu", progress=False)
+    sched = Scheduler(runner, tokenizer, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot),
+                      adaptive_drafts=False)
+    plain, _ = run(sched, tokenizer, REPEATING, grammars.compile(LETTERS), n_predict=12)
+    text, result = run(sched, tokenizer, REPEATING, grammars.compile(LETTERS), n_predict=12,
+                       spec=SpecParams(n_max=4, p_min=0.0))
+    assert text == plain and set(text) <= set(" abcde,")
     assert 0 < result.draft_n_accepted < result.draft_n
 
 
