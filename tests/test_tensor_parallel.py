@@ -309,3 +309,14 @@ def test_no_follower_left() -> None:
     workers = [c.pid for c in psutil.Process(os.getpid()).children(recursive=True)
                if "specserve.engine.tp_worker" in " ".join(c.cmdline())]
     assert not [p for p in workers if running(p)]
+
+
+@pytest.mark.slow
+def test_torchrun_generate(smollm_path: Path, reference: LocalRunner) -> None:
+    """torchrun's rendezvous (one node, standalone): rank 0 runs `generate`, rank 1 follows it."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "specserve.cli", "generate",
+                           "-m", str(smollm_path), "-p", PROMPT, "-n", "12", "--temp", "0", "--device", "cpu",
+                           "-c", str(N_CTX), "-tp", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.removesuffix("\n") == greedy_text(reference, 12)

@@ -64,7 +64,8 @@ class ShardRunner(LocalRunner):
 
 
 class TensorParallelRunner(ShardRunner):
-    """Rank 0: a ShardRunner whose state-changing calls are first sent to the followers."""
+    """Rank 0: a ShardRunner whose state-changing calls are first sent to the followers. (memory_info and
+    `weights` are rank 0's shard; each other rank holds about as much.)"""
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
                  progress: bool = False):
@@ -72,10 +73,6 @@ class TensorParallelRunner(ShardRunner):
         self._lock = threading.Lock()  # the scheduler's thread sends commands; close() may come from another
         self._broken: str | None = None
         self._closed = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
 
     def launch(self, batch: Batch, fed: Sequence[int] | None = None, logits: bool = True) -> LaunchedStep:
         with self._lock:
@@ -101,10 +98,6 @@ class TensorParallelRunner(ShardRunner):
             self._check_alive()
             super().kv_copy(src, dst)
             self._send_or_fail([COPY, src, dst])
-
-    def memory_info(self) -> dict[str, int]:
-        """Rank 0's shard (the others hold about as much each)."""
-        return super().memory_info()
 
     def close(self) -> None:
         """Stop the followers (a STOP command, then waiting for the ones spawned here), leave the group.
