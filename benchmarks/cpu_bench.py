@@ -7,7 +7,14 @@ llama.cpp lives in the benchmark's own environment, never a dependency of specse
     python3 -m venv ~/.cache/specserve/llamacpp-venv
     CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
         ~/.cache/specserve/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
-(built from source). Both sides evaluate tokens without sampling for pp and tg, as llama-bench does; specserve's
+(built from source). On a CPU that reports AMX inside a VM, a native build can crash in its first batch of
+several tokens (AMX tiles the guest may not use); then build without AMX and list the ISA instead:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF" ~/.cache/specserve/llamacpp-venv/bin/pip \
+        install --force-reinstall --no-deps llama-cpp-python==0.3.36
+A format "<fmt>-exact" times <fmt> with SPECSERVE_CPU_EXACT=1 (the exact fp32 kernel instead of the int8 one).
+Both sides evaluate tokens without sampling for pp and tg, as llama-bench does; specserve's
 tg also goes through its scheduler (`bench_decode`, host work included). Prints a table, writes JSON (-o,
 default cpu_<model>.json in the cache's benchmarks folder: bench_output.py).
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -74,15 +82,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = catalog.resolve(args.model)
     rows = []
-    for fmt in args.formats.split(","):
+    for name in args.formats.split(","):
+        fmt = name.removesuffix("-exact")
+        os.environ["SPECSERVE_CPU_EXACT"] = "1" if name != fmt else "0"  # read per product
         runner = LocalRunner(path, device="cpu", n_ctx=args.n_prompt + args.n_gen + 64, weight_format=fmt,
                              progress=False)
         tok = Tokenizer.from_gguf(runner.gguf)
         pp = bench_prefill(runner, args.n_prompt, reps=args.reps)
         tg = max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))
-        rows.append({"engine": f"specserve {runner.weight_format}", f"pp{args.n_prompt}": round(pp, 1),
+        label = runner.weight_format + ("-exact" if name != fmt else "")
+        rows.append({"engine": f"specserve {label}", f"pp{args.n_prompt}": round(pp, 1),
                      f"tg{args.n_gen}": round(tg, 1)})
         del runner
+    os.environ.pop("SPECSERVE_CPU_EXACT", None)
     ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
     if ref is not None:
         rows.append({"engine": "llama.cpp", f"pp{args.n_prompt}": round(ref["pp"], 1),

@@ -1,84 +1,47 @@
 """Quantized matrix-vector products on the CPU: QuantWeight read as packed integers, never widened to an fp32
-matrix, by a small C kernel (cpu/gemv_q.c, AVX-512) that the machine's C compiler builds at first use into
-specserve's cache. Decode reads 4 or 8 bits a weight instead of 32. Where there is no compiler or no AVX-512,
-or SPECSERVE_CPU_KERNEL=0, `available()` says no and the product dequantizes instead (the reference).
+matrix, by small C kernels (cpu/, built at first use by cpu/build.py). Decode reads 4 or 8 bits a weight instead
+of 32.
+
+Two kernels, chosen here per product (callers never choose):
+- int8 (cpu/gemv_i8.c, AVX-512 VNNI): each activation row is rounded to int8 once per call, with one scale per
+  weight word's k (8 values for 4-bit fields, 4 for 8-bit), and multiplied as integers (vpdpbusd), as llama.cpp
+  does: the product of W with the rounded activations. Approximate: docs/architecture.md (CPU path) gives its
+  logit error and greedy agreement.
+- fp32 (cpu/gemv_q.c, AVX-512): exact integers times fp32 activations (relative error ~4e-7 against the
+  dequantized product). Taken where the CPU has no VNNI, or always with SPECSERVE_CPU_EXACT=1.
+Where there is no compiler or no AVX-512, or SPECSERVE_CPU_KERNEL=0, `available()` says no and the product
+dequantizes instead (the reference).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from functools import cache
-from importlib import resources
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from specserve import catalog
+from specserve.kernels.cpu import build
 
 if TYPE_CHECKING:
     from specserve.kernels.linear import QuantWeight
 
-log = logging.getLogger(__name__)
-
 MAX_ROWS = 16  # rows one kernel call takes (more run in slices)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-_build_lock = threading.Lock()
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "f16c", "fma"))
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_CPU_KERNEL", "1") == "0" or not _cpu_has_avx512():
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.warning("no C compiler: quantized CPU products dequantize instead")
-        return None
-    source = resources.files("specserve.kernels.cpu").joinpath("gemv_q.c").read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = catalog.cache_dir() / "kernels" / f"gemv_q-{key}.so"
-    with _build_lock:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = Path(tmp) / "gemv_q.c"
-                src.write_bytes(source)
-                out = Path(tmp) / "gemv_q.so"
-                result = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
-                if result.returncode != 0:
-                    log.warning("building the quantized CPU kernel failed (dequantizing instead): %s",
-                                result.stderr.strip()[:2000])
-                    return None
-                os.replace(out, target)  # atomic: a concurrent process sees a whole file or none
-    lib = ctypes.CDLL(str(target))
-    lib.q_gemv.restype = None
-    lib.q_gemv.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8
-    return lib
+def int8_built() -> bool:
+    """Whether this machine runs the int8 kernel (AVX-512 VNNI)."""
+    return build.has("q_gemv_i8")
 
 
 def kernel_built() -> bool:
-    """Whether this machine runs the kernel (AVX-512, a compiler; built now if it was not)."""
-    return _library() is not None
+    """Whether this machine runs the packed-weight kernels (AVX-512, a compiler; built now if they were not)."""
+    return build.has("q_gemv")
 
 
 def available(x: torch.Tensor, w: QuantWeight) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
-            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and _library() is not None)
+            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and kernel_built())
 
 
 @cache
@@ -97,23 +60,73 @@ def _permutation(k: int, bits: int, group: int) -> tuple[torch.Tensor, int]:
     return index.reshape(-1).to(torch.int32).contiguous(), chunks
 
 
-def gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [..., K] fp32 @ W^T -> fp32 [..., N]."""
-    lib = _library()
-    assert lib is not None
+def quantize_activations_ref(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's rounding of x [rows, K]: blocks of each weight word's k ([rows, words, fields]),
+    q = round(x / dx) with dx = max |x| / 127 per block (fp32, ties to even, as the kernel) -> (q, dx)."""
+    rows, k = x.shape
+    fields, words_per_group = 32 // bits, group * bits // 32
+    blocks = x.float().view(rows, k // group, fields, words_per_group).transpose(2, 3).reshape(rows, -1, fields)
+    dx = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    return (blocks * inv[..., None]).round().clamp(-127, 127), dx
+
+
+def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The int8 kernel's arithmetic in torch (fp64 sums): per word, its integers times the rounded activations
+    scaled by scale * dx, minus min times the rounded activations' sum (dx * sum of q). x [rows, K] -> [rows, N]."""
+    from specserve.kernels.linear import unpack
+
     n, k = w.shape
-    flat = x.reshape(-1, k).contiguous()
-    perm, chunks = _permutation(k, w.bits, w.group)
+    q, dx = quantize_activations_ref(x, w.bits, w.group)
+    fields, words_per_group = 32 // w.bits, w.group * w.bits // 32
+    u = unpack(w.words, w.bits, w.group).view(n, k // w.group, fields, words_per_group).transpose(2, 3)
+    u = u.reshape(n, -1, fields).double()
+    dots = torch.einsum("mwf,nwf->mnw", q.double(), u)  # exact: integers well below 2^53
+    word_group = torch.arange(u.shape[1]) // words_per_group
+    sm = w.sm.double()[:, word_group]  # [n, words, 2]
+    q_sums = q.double().sum(-1) * dx.double()  # [rows, words]
+    y = (dots * sm[None, :, :, 0] * dx.double()[:, None, :]).sum(-1) - q_sums @ sm[:, :, 1].t()
+    return y.float()
+
+
+def exact() -> bool:
+    """SPECSERVE_CPU_EXACT=1: every product on the exact fp32 kernel (read per product, so tests can switch)."""
+    return os.environ.get("SPECSERVE_CPU_EXACT") == "1"
+
+
+def kernel_for(w: QuantWeight) -> str:
+    """"int8" or "fp32": the kernel `gemv` runs for w on this machine now (both take 4- and 8-bit fields)."""
+    return "int8" if w.bits in (4, 8) and not exact() and int8_built() else "fp32"
+
+
+def gemv(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> torch.Tensor:
+    """x [..., K] fp32 @ W^T -> fp32 [..., N] on torch's thread count. kernel: None chooses (`kernel_for`); tests
+    name one. Kept lean: a 135M model's decode step makes ~120 of these calls."""
+    kernel = kernel or kernel_for(w)
+    lib = build.library()
+    assert lib is not None and (kernel != "int8" or int8_built()), f"no {kernel} CPU kernel on this machine"
+    words, sm, bits = w.words, w.sm, w.bits
+    n, words_per_row = words.shape
+    k = words_per_row * 32 // bits
+    flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    perm, chunks = _permutation(k, bits, w.group)
     rows_total = flat.shape[0]
-    slice_rows = min(MAX_ROWS, rows_total)
-    scratch = torch.empty(slice_rows * (perm.numel() + chunks * 16), dtype=torch.float32)
     out = torch.empty(rows_total, n, dtype=torch.float32)
-    words, sm = w.words, w.sm
     if not (words.is_contiguous() and sm.is_contiguous()):
         raise ValueError("packed weights must be contiguous")
-    for start in range(0, rows_total, MAX_ROWS):
-        rows = min(MAX_ROWS, rows_total - start)
-        lib.q_gemv(words.data_ptr(), sm.data_ptr(), flat[start].data_ptr(), perm.data_ptr(), scratch.data_ptr(),
-                   out[start].data_ptr(), rows, n, k, words.shape[1], sm.shape[1], w.bits,
-                   w.group * w.bits // 32, chunks)
-    return out.view(*x.shape[:-1], n)
+    shape_args = (n, k, words_per_row, sm.shape[1], bits, w.group * bits // 32, chunks, torch.get_num_threads())
+    x_ptr, out_ptr = flat.data_ptr(), out.data_ptr()
+    w_ptr, sm_ptr, perm_ptr = words.data_ptr(), sm.data_ptr(), perm.data_ptr()
+    if kernel == "int8":
+        for start in range(0, rows_total, MAX_ROWS):
+            rows = min(MAX_ROWS, rows_total - start)
+            if lib.q_gemv_i8(w_ptr, sm_ptr, x_ptr + 4 * start * k, perm_ptr, out_ptr + 4 * start * n, rows,
+                             *shape_args):
+                raise MemoryError("the int8 CPU kernel could not allocate its activation scratch")
+    else:
+        scratch = torch.empty(min(MAX_ROWS, rows_total) * (perm.numel() + chunks * 16), dtype=torch.float32)
+        for start in range(0, rows_total, MAX_ROWS):
+            rows = min(MAX_ROWS, rows_total - start)
+            lib.q_gemv(w_ptr, sm_ptr, x_ptr + 4 * start * k, perm_ptr, scratch.data_ptr(), out_ptr + 4 * start * n,
+                       rows, *shape_args)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -1,0 +1,112 @@
+"""The CPU kernels' one library: the C sources beside this module compiled at first use by the machine's C
+compiler into specserve's cache (once per sources and flags) and loaded with ctypes. One library, so one thread
+pool (pool.c) serves every kernel. What goes in depends on the CPU (/proc/cpuinfo): the int8 products
+(gemv_i8.c) only where AVX-512 VNNI is reported, so no machine is handed an instruction it lacks.
+
+SPECSERVE_CPU_KERNEL=0, no AVX-512 or no compiler: `library()` is None and callers use torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from specserve import catalog
+
+log = logging.getLogger(__name__)
+
+# -ffp-contract=off: plain C arithmetic rounds as torch's elementwise ops do (the kernels write their fmas out)
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread",
+         "-shared", "-fPIC"]
+VNNI_FLAGS = [*FLAGS, "-mavx512vnni"]
+BASE_SOURCES = ("pool.c", "gemv_q.c")
+HEADERS = ("pool.h",)
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
+_lock = threading.Lock()
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def has_avx512() -> bool:
+    return all(f in cpu_flags() for f in AVX512)
+
+
+def has_vnni() -> bool:
+    return has_avx512() and "avx512_vnni" in cpu_flags()
+
+
+def _compile(sources: tuple[str, ...], flags: list[str]) -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler: the CPU kernels are not built (torch serves instead)")
+        return None
+    package = resources.files("specserve.kernels.cpu")
+    texts = {file: package.joinpath(file).read_bytes() for file in (*sources, *HEADERS)}
+    key = hashlib.sha256(b"\0".join([*texts.values(), " ".join(flags).encode()])).hexdigest()[:16]
+    target = catalog.cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    with _lock:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                for file, text in texts.items():
+                    (Path(tmp) / file).write_bytes(text)
+                out = Path(tmp) / "cpu_kernels.so"
+                cmd = [compiler, *flags, *(str(Path(tmp) / f) for f in sources), "-o", str(out), "-lm"]
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    log.warning("building the CPU kernels (%s) failed: %s", ", ".join(sources),
+                                result.stderr.strip()[:2000])
+                    return None
+                os.replace(out, target)  # atomic: a concurrent process sees a whole file or none
+    return ctypes.CDLL(str(target))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {  # name: (result, arguments), as the C sources declare them
+        "q_gemv": (None, [ptr] * 6 + [i32] * 9),
+        "q_gemv_i8": (i32, [ptr] * 5 + [i32] * 9),
+        "cpu_rms_norm": (None, [ptr] * 5 + [i32, i32, f32]),
+        "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 6 + [i64, i64, i32, ptr]),
+        "cpu_attention": (i32, [ptr, i32, i32, i32, i32, ptr, ptr, i64, i64, ptr, ptr, f32, ptr, i32]),
+        "cpu_silu_mul": (None, [ptr, ptr, i32, i32]),
+    }
+    for name, (result, args) in signatures.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = result, args
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernels this machine runs (built now if they were not); None where torch must serve."""
+    if os.environ.get("SPECSERVE_CPU_KERNEL", "1") == "0" or not has_avx512():
+        return None
+    lib = _compile((*BASE_SOURCES, "gemv_i8.c"), VNNI_FLAGS) if has_vnni() else None
+    lib = lib or _compile(BASE_SOURCES, FLAGS)  # a compiler without VNNI: the rest still builds
+    if lib is not None:
+        _declare(lib)
+    return lib
+
+
+def has(name: str) -> bool:
+    """Whether the library is built here and holds the C function `name`."""
+    lib = library()
+    return lib is not None and hasattr(lib, name)
