@@ -75,18 +75,19 @@ def test_int8_rounding_reference() -> None:
     assert q[0, 0, :2].tolist() == [127.0, -50.0] and q[0, 1:].eq(0).all()
 
 
-def test_linear_dispatches_and_exact_forces_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_is_exact_by_default_and_int8_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     w = QuantWeight.from_ints(torch.randint(0, 16, (64, 256)), torch.rand(64, 8), torch.rand(64, 8), 32)
     x, bias = torch.randn(3, 256), torch.randn(64)
     ref = x @ dequantize_ref(w, torch.float32).t() + bias
     kernels: list[str] = []
     real = quant_cpu.gemv
     monkeypatch.setattr(quant_cpu, "gemv", lambda *a: kernels.append(quant_cpu.kernel_for(a[1])) or real(*a))
-    assert _rel(linear(x, w, bias), ref) < INT8_TOLERANCE
-    assert kernels == ["int8" if quant_cpu.int8_built() else "fp32"]
-    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    monkeypatch.delenv("SPECSERVE_CPU_EXACT", raising=False)
     assert _rel(linear(x, w, bias), ref) < 1e-5
-    assert kernels[-1] == "fp32"
+    assert kernels == ["fp32"]
+    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "0")
+    assert _rel(linear(x, w, bias), ref) < INT8_TOLERANCE
+    assert kernels[-1] == ("int8" if quant_cpu.int8_built() else "fp32")
 
 
 def test_a_forked_child_runs_the_kernels() -> None:

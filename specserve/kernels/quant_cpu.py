@@ -8,7 +8,9 @@ Two kernels, chosen here per product (callers never choose):
   does: the product of W with the rounded activations. Approximate: docs/architecture.md (CPU path) gives its
   logit error and greedy agreement.
 - fp32 (cpu/gemv_q.c, AVX-512): exact integers times fp32 activations (relative error ~4e-7 against the
-  dequantized product). Taken where the CPU has no VNNI, or always with SPECSERVE_CPU_EXACT=1.
+  dequantized product). The default: int8 is taken only with SPECSERVE_CPU_EXACT=0 on a CPU with VNNI, since
+  its rounding makes a row's result differ between a prompt chunk and a decode step (greedy text then depends
+  on the batch, which spec/server.md forbids).
 Where there is no compiler or no AVX-512, or SPECSERVE_CPU_KERNEL=0, `available()` says no and the product
 dequantizes instead (the reference).
 """
@@ -90,8 +92,9 @@ def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def exact() -> bool:
-    """SPECSERVE_CPU_EXACT=1: every product on the exact fp32 kernel (read per product, so tests can switch)."""
-    return os.environ.get("SPECSERVE_CPU_EXACT") == "1"
+    """Every product on the exact fp32 kernel unless SPECSERVE_CPU_EXACT=0 (read per product, so tests and
+    benchmarks can switch)."""
+    return os.environ.get("SPECSERVE_CPU_EXACT", "1") != "0"
 
 
 def kernel_for(w: QuantWeight) -> str:
