@@ -5,9 +5,9 @@ format (float weights by default), and how many greedy continuations stay identi
     python benchmarks/format_accuracy.py -m smollm2-135m --device cpu --formats gguf,gguf-exact --step-rows 16
 
 The reference model greedily continues each prompt for n tokens; each other format then scores the same prompt
-+ continuation (in one forward, or in forwards of --step-rows rows: on the CPU, products of up to 64 rows take
-the packed-weight kernels, longer ones dequantize), every position's argmax and logits are compared, and the
-format's own greedy continuation (decode steps, one row each) is compared token by token with the reference's.
++ continuation (in one forward, or in forwards of --step-rows rows, as decode and verify steps run), every
+position's argmax and logits are compared, and the format's own greedy continuation (decode steps, one row each)
+is compared token by token with the reference's.
 "gguf-exact" is gguf with SPECSERVE_CPU_EXACT=1 (the CPU's exact fp32 kernel instead of the int8 one).
 Prints a table; writes JSON (-o, default format_accuracy_<model>.json in the cache's benchmarks folder:
 bench_output.py).

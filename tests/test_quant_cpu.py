@@ -75,19 +75,25 @@ def test_int8_rounding_reference() -> None:
     assert q[0, 0, :2].tolist() == [127.0, -50.0] and q[0, 1:].eq(0).all()
 
 
-def test_linear_is_exact_by_default_and_int8_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_takes_int8_by_default_exact_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     w = QuantWeight.from_ints(torch.randint(0, 16, (64, 256)), torch.rand(64, 8), torch.rand(64, 8), 32)
-    x, bias = torch.randn(3, 256), torch.randn(64)
-    ref = x @ dequantize_ref(w, torch.float32).t() + bias
+    bias = torch.randn(64)
     kernels: list[str] = []
     real = quant_cpu.gemv
     monkeypatch.setattr(quant_cpu, "gemv", lambda *a: kernels.append(quant_cpu.kernel_for(a[1])) or real(*a))
     monkeypatch.delenv("SPECSERVE_CPU_EXACT", raising=False)
-    assert _rel(linear(x, w, bias), ref) < 1e-5
+    default = "int8" if quant_cpu.int8_built() else "fp32"
+    for rows in (3, 100):  # the int8 kernel takes prompt chunks too: every row rounded alike
+        x = torch.randn(rows, 256)
+        ref = x @ dequantize_ref(w, torch.float32).t() + bias
+        assert _rel(linear(x, w, bias), ref) < INT8_TOLERANCE
+    assert kernels == [default] * (2 if default == "int8" else 1)
+    kernels.clear()
+    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    for rows in (3, 100):  # exact: the kernel up to 64 rows, above that torch's GEMM on the dequantized matrix
+        x = torch.randn(rows, 256)
+        assert _rel(linear(x, w, bias), x @ dequantize_ref(w, torch.float32).t() + bias) < 1e-5
     assert kernels == ["fp32"]
-    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "0")
-    assert _rel(linear(x, w, bias), ref) < INT8_TOLERANCE
-    assert kernels[-1] == ("int8" if quant_cpu.int8_built() else "fp32")
 
 
 def test_a_forked_child_runs_the_kernels() -> None:

@@ -70,9 +70,11 @@ def test_concat_mixed_groups() -> None:
     torch.testing.assert_close(linear_ref(x, fused), x @ expected.T)
 
 
-def test_gguf_format_matches_float(smollm_path: Path) -> None:
+def test_gguf_format_matches_float(smollm_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """smollm2 (Q4_1 / Q8_0 file) loaded with its matrices kept quantized: same weights, so the
-    same logits up to fp32 rounding, through the torch reference path on the CPU."""
+    same logits up to fp32 rounding, through the exact products on the CPU (the int8 ones round the
+    activations: tests/test_quant_cpu.py)."""
+    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
     quant = LocalRunner(smollm_path, n_ctx=64, device="cpu", progress=False, weight_format="gguf")
     plain = LocalRunner(smollm_path, n_ctx=64, device="cpu", progress=False, weight_format="float")
     assert quant.weight_format == "gguf" and isinstance(quant.weights.layers[0].w_gate_up, QuantWeight)

@@ -49,7 +49,7 @@ def test_sigterm_finishes_short_streams_and_ends_long_ones() -> None:
         srv.wait_ready()
         chat = "/v1/chat/completions"
         messages = [{"role": "user", "content": "Count from one to one hundred."}]
-        short = {"temperature": 0, "stream": True}
+        short = {"temperature": 0, "stream": True, "ignore_eos": True}  # 12 tokens, whatever the greedy text
         readers = [
             StreamReader(srv.url, chat, {**short, "messages": messages, "max_tokens": 12}),
             StreamReader(srv.url, "/completion", {**short, "prompt": REPEATING, "n_predict": 12}),

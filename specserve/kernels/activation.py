@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
 
 
@@ -20,4 +21,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from specserve.kernels import activation_triton
 
         return activation_triton.silu_mul(gate_up)
+    if cpu_ops.takes(gate_up):
+        return cpu_ops.silu_mul(gate_up)
     return silu_mul_ref(gate_up)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
 
 
@@ -39,4 +40,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         from specserve.kernels import attention_triton
 
         return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, scale)
+    if cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids):
+        return cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, scale)
     return attention_ref(q, k_cache, v_cache, positions, seq_ids, runs, scale)

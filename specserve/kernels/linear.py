@@ -174,10 +174,10 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
         return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
     if silu_input:
         x = silu_mul(x)
-    if quant and rows <= MAX_SLICED_ROWS and x.device.type == "cpu":
+    if quant and x.device.type == "cpu":
         from specserve.kernels import quant_cpu
 
-        if quant_cpu.available(x, w):  # packed integers read as they are, not widened to fp32 each step
+        if quant_cpu.available(x, w):  # packed integers read as they are (it decides for how many rows)
             y = quant_cpu.gemv(x, w)
             y = y if bias is None else y + bias
             return y if out_dtype is None else y.to(out_dtype)

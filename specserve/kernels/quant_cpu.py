@@ -8,9 +8,11 @@ Two kernels, chosen here per product (callers never choose):
   does: the product of W with the rounded activations. Approximate: docs/architecture.md (CPU path) gives its
   logit error and greedy agreement.
 - fp32 (cpu/gemv_q.c, AVX-512): exact integers times fp32 activations (relative error ~4e-7 against the
-  dequantized product). The default: int8 is taken only with SPECSERVE_CPU_EXACT=0 on a CPU with VNNI, since
-  its rounding makes a row's result differ between a prompt chunk and a decode step (greedy text then depends
-  on the batch, which spec/server.md forbids).
+  dequantized product). Taken where the CPU has no VNNI, or always with SPECSERVE_CPU_EXACT=1.
+Rounding is discontinuous: a 1e-7 difference in an input can move a product by a rounding step, so the int8
+kernel takes every row count (prompt chunks too) and the ops around it compute each row on its own (cpu_ops):
+a row's result is then the same bit for bit in any batch, and greedy text does not depend on the batch or on
+speculation (spec/server.md).
 Where there is no compiler or no AVX-512, or SPECSERVE_CPU_KERNEL=0, `available()` says no and the product
 dequantizes instead (the reference).
 """
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from specserve.kernels.linear import QuantWeight
 
 MAX_ROWS = 16  # rows one kernel call takes (more run in slices)
+MAX_EXACT_ROWS = 64  # the most rows the exact kernel takes (the int8 one takes any)
 
 
 def int8_built() -> bool:
@@ -42,8 +45,14 @@ def kernel_built() -> bool:
 
 
 def available(x: torch.Tensor, w: QuantWeight) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
-            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and kernel_built())
+    """Whether x @ W^T runs here. The int8 kernel takes every row count: a row's result must not depend on the
+    batch it is in (a prompt chunk or a decode step, alone or beside other requests), and its per-row rounding
+    and accumulation make it the same in any. The exact kernel takes up to MAX_EXACT_ROWS; above that
+    dequantizing for torch's GEMM is faster (prefill) and exact too."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
+            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and kernel_built()):
+        return False
+    return x.numel() // x.shape[-1] <= MAX_EXACT_ROWS or kernel_for(w) == "int8"
 
 
 @cache
@@ -92,9 +101,9 @@ def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def exact() -> bool:
-    """Every product on the exact fp32 kernel unless SPECSERVE_CPU_EXACT=0 (read per product, so tests and
-    benchmarks can switch)."""
-    return os.environ.get("SPECSERVE_CPU_EXACT", "1") != "0"
+    """SPECSERVE_CPU_EXACT=1: every product on the exact fp32 kernel (read per product, so tests and benchmarks
+    can switch)."""
+    return os.environ.get("SPECSERVE_CPU_EXACT", "0") == "1"
 
 
 def kernel_for(w: QuantWeight) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
 
 
@@ -27,6 +28,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from specserve.kernels import rmsnorm_triton
 
         return rmsnorm_triton.rms_norm(x, weight, eps)
+    if cpu_ops.takes(x, weight):
+        return cpu_ops.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -37,4 +40,6 @@ def add_rms_norm(
         from specserve.kernels import rmsnorm_triton
 
         return rmsnorm_triton.add_rms_norm(x, residual, weight, eps)
+    if x.shape == residual.shape and cpu_ops.takes(x, residual, weight):
+        return cpu_ops.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

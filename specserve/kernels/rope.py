@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
 
 
@@ -65,6 +66,8 @@ def rope_and_cache(
 
         return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids,
                                           k_cache, v_cache, style)
+    if cpu_ops.rope_takes(q, k, v, positions, seq_ids, k_cache, v_cache) and cos_table.dtype == torch.float32:
+        return cpu_ops.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
     return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
 
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread",
          "-shared", "-fPIC"]
 VNNI_FLAGS = [*FLAGS, "-mavx512vnni"]
-BASE_SOURCES = ("pool.c", "gemv_q.c")
+BASE_SOURCES = ("pool.c", "gemv_q.c", "ops.c")
 HEADERS = ("pool.h",)
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
 _lock = threading.Lock()

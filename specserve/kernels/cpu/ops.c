@@ -1,0 +1,224 @@
+// The small ops of a CPU decode step, one call each instead of torch's 5-15 small ops (each of which costs a few
+// microseconds of dispatch on a 135M model's 576-wide rows): RMSNorm with the residual add, RoPE with the KV-cache
+// write, attention of a few query rows over the cache, SwiGLU. fp32 throughout, rounding as the torch references
+// do where the order is the same (elementwise ops; the library is built with -ffp-contract=off so `a * b - c * d`
+// stays two roundings and a subtraction); reductions (RMSNorm's mean, attention's sums) add in another order.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "pool.h"
+
+// exp(x) for x <= 0 as 2^n * e^f, |f| <= ln2 / 2, e^f by its Taylor series to f^7 (truncation < 1e-8 relative);
+// scalef gives 0 for the far negative x, as exp underflows.
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: n * hi is exact
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.0f)));
+}
+
+static inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+// out = rms_norm(x + add) * w per row, and sum = x + add (add, sum: NULL for a plain norm). As rms_norm_ref:
+// s * (1 / sqrt(mean(s^2) + eps)), then * w.
+void cpu_rms_norm(const float* x, const float* add, float* sum, const float* w, float* out, int rows, int dim,
+                  float eps) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + (int64_t)r * dim;
+        const float* ar = add ? add + (int64_t)r * dim : NULL;
+        float* sr = sum ? sum + (int64_t)r * dim : NULL;
+        __m512 sq = _mm512_setzero_ps();
+        for (int i = 0; i < dim; i += 16) {
+            const __mmask16 m = tail_mask(dim - i);
+            __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+            if (ar) {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, ar + i));
+                _mm512_mask_storeu_ps(sr + i, m, v);
+            }
+            sq = _mm512_fmadd_ps(v, v, sq);
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)dim + eps);
+        const float* src = sr ? sr : xr;
+        for (int i = 0; i < dim; i += 16) {
+            const __mmask16 m = tail_mask(dim - i);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), _mm512_set1_ps(inv));
+            _mm512_mask_storeu_ps(out + (int64_t)r * dim + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+        }
+    }
+}
+
+// One head of `dim` values rotated by cos/sin (half values each) into dst, as rope.apply_rope: neox pairs i with
+// i + half, interleaved 2i with 2i + 1; values past 2 * half are copied.
+static void rotate(const float* src, float* dst, const float* c, const float* s, int dim, int half, int neox) {
+    for (int i = 0; i < half; ++i) {
+        const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x1 = src[a], x2 = src[b];
+        dst[a] = x1 * c[i] - x2 * s[i];
+        dst[b] = neox ? x2 * c[i] + x1 * s[i] : x1 * s[i] + x2 * c[i];
+    }
+    for (int i = 2 * half; i < dim; ++i) dst[i] = src[i];
+}
+
+// For each of T tokens (rows of a [q | k | v] product, row_stride floats apart): q's heads rotated into q_out
+// [T, n_heads, dim]; k's rotated and v's copied into the caches at (seq_ids[t], head, positions[t]).
+void cpu_rope_cache(const float* q, const float* k, const float* v, int64_t row_stride, int T, int n_heads,
+                    int n_kv_heads, int dim, int half, const float* cos_table, const float* sin_table,
+                    const int64_t* positions, const int64_t* seq_ids, float* k_cache, float* v_cache,
+                    int64_t seq_stride, int64_t head_stride, int neox, float* q_out) {
+    for (int t = 0; t < T; ++t) {
+        const int64_t pos = positions[t];
+        const float* c = cos_table + pos * half;
+        const float* s = sin_table + pos * half;
+        for (int h = 0; h < n_heads; ++h)
+            rotate(q + t * row_stride + h * dim, q_out + ((int64_t)t * n_heads + h) * dim, c, s, dim, half, neox);
+        const int64_t base = seq_ids[t] * seq_stride + pos * dim;
+        for (int h = 0; h < n_kv_heads; ++h) {
+            rotate(k + t * row_stride + h * dim, k_cache + base + h * head_stride, c, s, dim, half, neox);
+            const float* vs = v + t * row_stride + h * dim;
+            float* vd = v_cache + base + h * head_stride;
+            for (int i = 0; i < dim; ++i) vd[i] = vs[i];
+        }
+    }
+}
+
+typedef struct {
+    const float* q;
+    const float* k_cache;
+    const float* v_cache;
+    const int64_t* positions;
+    const int64_t* seq_ids;
+    float* out;
+    int n_heads, n_kv_heads, dim;
+    int64_t seq_stride, head_stride;
+    float scale;
+    int failed;  // a thread could not allocate its scores
+} attention_job;
+
+static __thread float* score_buf = NULL;
+static __thread int64_t score_size = 0;
+
+// Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
+// sequence's positions 0..position, times v. The group's heads share each load of a key and a value row (the
+// cache is read once per kv head, not once per q head).
+// DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
+static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
+                                                                  const int DIM) {
+    const int dim = DIM ? DIM : a->dim, group = a->n_heads / a->n_kv_heads;
+    float inv[256];  // per q head of the group: 1 / the softmax's sum
+    for (int item = start; item < end; ++item) {
+        const int t = item / a->n_kv_heads, kvh = item % a->n_kv_heads;
+        const int len = (int)a->positions[t] + 1;
+        if ((int64_t)group * len > score_size) {
+            free(score_buf);
+            score_size = 0;
+            score_buf = malloc(sizeof(float) * (size_t)group * (size_t)(len + 1024));  // room for later steps
+            if (score_buf == NULL) {
+                __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            score_size = (int64_t)group * (len + 1024);
+        }
+        const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
+        const int64_t kv = a->seq_ids[t] * a->seq_stride + (int64_t)kvh * a->head_stride;
+        const float* kb = a->k_cache + kv;
+        const float* vb = a->v_cache + kv;
+        for (int j = 0; j < len; ++j) {
+            for (int g = 0; g < group; ++g) {
+                __m512 d = _mm512_setzero_ps();
+                for (int i = 0; i < dim; i += 16) {
+                    const __mmask16 m = tail_mask(dim - i);
+                    const __m512 kj = _mm512_maskz_loadu_ps(m, kb + (int64_t)j * dim + i);
+                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * dim + i), kj, d);
+                }
+                score_buf[(int64_t)g * len + j] = _mm512_reduce_add_ps(d) * a->scale;
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            float* sc = score_buf + (int64_t)g * len;
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < len; j += 16)
+                top = _mm512_mask_max_ps(top, tail_mask(len - j), top, _mm512_maskz_loadu_ps(tail_mask(len - j), sc + j));
+            const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+            __m512 total = _mm512_setzero_ps();
+            for (int j = 0; j < len; j += 16) {
+                const __mmask16 m = tail_mask(len - j);
+                const __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), best)));
+                _mm512_mask_storeu_ps(sc + j, m, e);
+                total = _mm512_add_ps(total, e);
+            }
+            inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+        }
+        float* o = a->out + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;
+        for (int i = 0; i < dim; i += 16) {
+            const __mmask16 m = tail_mask(dim - i);
+            __m512 acc[8];
+            for (int g0 = 0; g0 < group; g0 += 8) {  // up to 8 heads' accumulators at a time stay in registers
+                const int gn = group - g0 < 8 ? group - g0 : 8;
+                for (int g = 0; g < gn; ++g) acc[g] = _mm512_setzero_ps();
+                for (int j = 0; j < len; ++j) {
+                    const __m512 vj = _mm512_maskz_loadu_ps(m, vb + (int64_t)j * dim + i);
+                    for (int g = 0; g < gn; ++g)
+                        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(score_buf[(int64_t)(g0 + g) * len + j]), vj, acc[g]);
+                }
+                for (int g = 0; g < gn; ++g)
+                    _mm512_mask_storeu_ps(o + (int64_t)(g0 + g) * dim + i, m,
+                                          _mm512_mul_ps(acc[g], _mm512_set1_ps(inv[g0 + g])));
+            }
+        }
+    }
+}
+
+static void attention_items(void* p, int start, int end) {
+    attention_job* a = (attention_job*)p;
+    if (a->dim == 64)
+        attention_range(a, start, end, 64);
+    else if (a->dim == 128)
+        attention_range(a, start, end, 128);
+    else
+        attention_range(a, start, end, 0);
+}
+
+// out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the caches [seqs, kv heads, ctx, dim]:
+// token t reads sequence seq_ids[t] at positions 0..positions[t]; q head h reads kv head h / (n_heads / n_kv_heads).
+// Returns 0, or -1 when scratch for the scores could not be allocated (out is then incomplete).
+int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, const float* k_cache,
+                  const float* v_cache, int64_t seq_stride, int64_t head_stride, const int64_t* positions,
+                  const int64_t* seq_ids, float scale, float* out, int threads) {
+    if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
+    attention_job a = {q,   k_cache,    v_cache,     positions, seq_ids, out, n_heads, n_kv_heads,
+                       dim, seq_stride, head_stride, scale,     0};
+    // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
+    const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;
+    pool_run(work < (1 << 18) ? 1 : threads, T * n_kv_heads, 1, attention_items, &a);
+    return a.failed ? -1 : 0;
+}
+
+// out [rows, n] = silu(gate) * up of x [rows, 2n] = [gate | up], as F.silu(gate) * up: gate / (1 + exp(-gate)).
+void cpu_silu_mul(const float* x, float* out, int rows, int n) {
+    for (int r = 0; r < rows; ++r) {
+        const float* g = x + (int64_t)r * 2 * n;
+        const float* u = g + n;
+        for (int i = 0; i < n; i += 16) {
+            const __mmask16 m = tail_mask(n - i);
+            const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+            // exp(-|g|) keeps the argument <= 0; for g < 0, 1 + exp(-g) = (1 + e) / e with e = exp(g)
+            const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            const __m512 denom = _mm512_mask_div_ps(_mm512_add_ps(one, e), neg, _mm512_add_ps(one, e), e);
+            const __m512 silu = _mm512_div_ps(gv, denom);
+            _mm512_mask_storeu_ps(out + (int64_t)r * n + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
+        }
+    }
+}

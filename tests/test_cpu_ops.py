@@ -1,0 +1,106 @@
+"""The CPU decode-step ops in C (kernels/cpu_ops.py) against their torch references on fresh random inputs:
+RMSNorm with and without the residual add, RoPE with the KV-cache write (both layouts, partial rotation, views of
+one [q | k | v] product), attention of mixed rows of two sequences over the caches (grouped heads, a head size
+with a partial vector), SwiGLU; that a row's result does not depend on its batch; and that the op modules
+dispatch to them for fp32 CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
+from specserve.kernels.cpu import build
+
+pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"), reason="needs AVX-512 and a C compiler")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 100), (64, 896)])
+def test_rms_norm(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows + dim)
+    x, res, w = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen), torch.rand(dim) + 0.5
+    assert _rel(cpu_ops.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_ref(x, w, 1e-5)) < 1e-6
+    out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_sum = rmsnorm.add_rms_norm_ref(x, res, w, 1e-6)
+    assert torch.equal(summed, ref_sum) and _rel(out, ref_out) < 1e-6
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize(("dim", "rope_dim"), [(64, 64), (80, 48)])
+@pytest.mark.parametrize("tokens", [5, 1])  # one row: torch's views of it may carry any row stride
+def test_rope_and_cache(style: str, dim: int, rope_dim: int, tokens: int) -> None:
+    gen = torch.Generator().manual_seed(dim + rope_dim + len(style))
+    n_heads, n_kv, ctx = 6, 2, 40
+    qkv = torch.randn(tokens, (n_heads + 2 * n_kv) * dim, generator=gen)  # views of one product, as the model's
+    q = qkv[:, : n_heads * dim].view(tokens, n_heads, dim)
+    k = qkv[:, n_heads * dim : (n_heads + n_kv) * dim].view(tokens, n_kv, dim)
+    v = qkv[:, (n_heads + n_kv) * dim :].view(tokens, n_kv, dim)
+    cos, sin = rope.rope_cos_sin(rope_dim, 10000.0, ctx)
+    positions = torch.tensor([3, 4, 5, 0, 17])[-tokens:]
+    seq_ids = torch.tensor([1, 1, 1, 0, 2])[-tokens:]
+    caches = [torch.randn(3, n_kv, ctx, dim, generator=gen) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    assert cpu_ops.rope_takes(q, k, v, positions, seq_ids, *caches)
+    ours = cpu_ops.rope_and_cache(q, k, v, cos, sin, positions, seq_ids, *caches, style)
+    ref = rope.rope_and_cache_ref(q, k, v, cos, sin, positions, seq_ids, *ref_caches, style)
+    assert torch.equal(ours, ref)  # elementwise, rounded as torch rounds
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+@pytest.mark.parametrize(("dim", "n_heads", "n_kv"), [(64, 9, 3), (40, 4, 4)])
+def test_attention(dim: int, n_heads: int, n_kv: int) -> None:
+    gen = torch.Generator().manual_seed(dim + n_heads)
+    ctx = 300
+    k_cache, v_cache = torch.randn(2, n_kv, ctx, dim, generator=gen), torch.randn(2, n_kv, ctx, dim, generator=gen)
+    # a verify run of 4 rows of sequence 0, then one decode row of sequence 1 deep in its cache
+    positions = torch.tensor([10, 11, 12, 13, 250])
+    seq_ids = torch.tensor([0, 0, 0, 0, 1])
+    runs = [(0, 0, 4, 14), (1, 4, 5, 251)]
+    q = torch.randn(5, n_heads, dim, generator=gen)
+    assert cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids)
+    ours = cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, dim**-0.5)
+    ref = attention.attention_ref(q, k_cache, v_cache, positions, seq_ids, runs, dim**-0.5)
+    assert _rel(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 1536), (3, 100)])
+def test_silu_mul(rows: int, n: int) -> None:
+    gate_up = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n)) * 6  # reach both tails
+    assert _rel(cpu_ops.silu_mul(gate_up), activation.silu_mul_ref(gate_up)) < 1e-6
+
+
+def test_ops_dispatch_for_fp32_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append("c") or real(*a))
+    w = torch.rand(64)
+    rmsnorm.rms_norm(torch.randn(3, 64), w, 1e-5)
+    rmsnorm.rms_norm(torch.randn(512, 64), w, 1e-5)  # prompt rows too: the same instructions for every row
+    assert calls == ["c", "c"]
+    rmsnorm.rms_norm(torch.randn(2, 64, dtype=torch.float64), w.double(), 1e-5)  # not fp32: torch
+    assert calls == ["c", "c"]
+
+
+def test_a_row_is_the_same_in_any_batch() -> None:
+    """Each op computes a row on its own: rows of a batch equal the same rows computed alone, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    n_heads, n_kv, dim, ctx = 6, 2, 64, 64
+    k_cache, v_cache = torch.randn(2, n_kv, ctx, dim, generator=gen), torch.randn(2, n_kv, ctx, dim, generator=gen)
+    q = torch.randn(7, n_heads, dim, generator=gen)
+    positions, seq_ids = torch.tensor([5, 6, 7, 8, 9, 10, 40]), torch.tensor([0, 0, 0, 0, 0, 0, 1])
+    batch = cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, 0.125)
+    for t in range(7):
+        alone = cpu_ops.attention(q[t : t + 1], k_cache, v_cache, positions[t : t + 1], seq_ids[t : t + 1], 0.125)
+        assert torch.equal(alone[0], batch[t])
+    x, res, w = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen), torch.rand(576) + 0.5
+    out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-5)
+    gate_up = torch.randn(9, 3072, generator=gen)
+    act = cpu_ops.silu_mul(gate_up)
+    for t in range(9):
+        one, one_sum = cpu_ops.add_rms_norm(x[t : t + 1], res[t : t + 1], w, 1e-5)
+        assert torch.equal(one[0], out[t]) and torch.equal(one_sum[0], summed[t])
+        assert torch.equal(cpu_ops.silu_mul(gate_up[t : t + 1])[0], act[t])
