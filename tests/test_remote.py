@@ -157,6 +157,14 @@ def test_a_stalled_or_closed_host_is_reported_within_the_timeout(tmp_path: Path,
         assert time.monotonic() - t0 < TIMEOUT + 1.0
 
 
+def wait_stopped(pid: int, limit_s: float = 5.0) -> None:
+    """Until /proc says the process is stopped (state T)."""
+    deadline = time.monotonic() + limit_s
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the host did not stop"
+        time.sleep(0.01)
+
+
 def test_a_stopped_host_process_is_reported_mid_load_and_mid_step(tmp_path: Path) -> None:
     """SIGSTOP freezes the host, its keep-alive thread too: the front gives up within its timeout, even while
     a load that would take longer is under way."""
@@ -175,6 +183,7 @@ def test_a_stopped_host_process_is_reported_mid_load_and_mid_step(tmp_path: Path
         os.kill(host.pid, signal.SIGCONT)
         r = RemoteRunner(address, "fake", timeout=TIMEOUT)  # a 3 s load, alive throughout
         os.kill(host.pid, signal.SIGSTOP)
+        wait_stopped(host.pid)  # the signal is asynchronous: on a busy box the host may still answer first
         t0 = time.monotonic()
         with pytest.raises(SpecserveError, match="no sign of life"):
             r.memory_info()
