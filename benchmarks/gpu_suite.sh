@@ -3,7 +3,7 @@
 # serving, slow tests; every step's JSON goes to $OUT. The GPU machine has no venv: it expects the
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
-# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve remote slowtests]
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve remote remoteserve moe slowtests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -40,7 +40,11 @@ for step in $steps; do
                 -o "$OUT/serve_${T}_remote$sfx.json" --server-args --weight-format "$FORMAT" \
                 --remote unix:/tmp/specserve-host.sock 2>&1 | tail -4
             kill $host ;;
+        moe) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts.py tests/test_moe_models.py \
+                 tests/test_moe_routing.py 2>&1 | tail -3
+             timeout 400 python3 benchmarks/moe_bench.py --sections decode --weight-format "${MOE_FORMAT:-q8}" \
+                 -o "$OUT/moe_bench_cuda_decode.json" 2>&1 | tail -12 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve remote remoteserve slowtests)" ;;
+        *) echo "unknown step: $step (kernels bench spec graphs serve remote remoteserve moe slowtests)" ;;
     esac
 done
