@@ -9,16 +9,22 @@ Each client streams `--requests` requests one after another through llama-server
 also works against llama-server. Speculation is switched per request: mode `none` sends
 `speculative.n_max = 0`, any other mode sends `speculative.type = MODE`.
 
+Prompt mixes (--mix): `workload` (the prompts as they are, cache_prompt off), `shared-system` (a ~1,000-token
+system prompt before every workload message, cache_prompt on: what prefix sharing saves) and `long` (user
+messages of ~2k, 4k and 8k tokens; the started server gets slots of 8k + n_predict positions).
+
 Reports aggregate generated tokens/s (all clients, wall clock), time to first token and
 inter-token latency (p50, p99; a chunk of k tokens counts as k gaps of 1/k of its delay),
 draft acceptance and, from the server's /metrics, the share of its multi-slot turns that the
-draft gate let draft; prints a table and writes JSON (default benchmarks/results/).
+draft gate let draft, and the most KV positions in use while the level ran (/metrics `kv_cache_tokens`,
+sampled every 0.25 s); prints a table and writes JSON (default benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -64,6 +70,7 @@ class LevelResult:
     draft_n: int
     draft_accepted: int
     drafting_turns: float | None = None  # share of the server's multi-slot turns the draft gate let draft
+    kv_tokens_peak: int | None = None  # most KV positions in use (all slots) while the level ran
 
 
 def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
@@ -72,13 +79,59 @@ def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
     return [item["messages"] for cat in cats for item in data[cat]]
 
 
+SYSTEM_WORDS = ("You are a meticulous assistant for a software team. Follow the house style: answer "
+                "precisely, quote code exactly, keep explanations short, and say when you are unsure. ")
+LONG_TOKENS = (2048, 4096, 8192)
+
+
+def mix_conversations(conversations: list[list[dict]], mix: str) -> list[list[dict]]:
+    """The workload's conversations as the mix wants them (about 4 characters a token)."""
+    if mix == "workload":
+        return conversations
+    if mix == "shared-system":
+        system = SYSTEM_WORDS * (4000 // len(SYSTEM_WORDS))
+        return [[{"role": "system", "content": system}, *[m for m in c if m["role"] != "system"]]
+                for c in conversations]
+    if mix == "long":
+        out = []
+        for i, c in enumerate(conversations):
+            text = "\n".join(m["content"] for m in c)
+            target = 4 * LONG_TOKENS[i % len(LONG_TOKENS)]
+            body = (text + "\n") * (target // (len(text) + 1) + 1)
+            out.append([{"role": "user", "content": body[:target] + "\nSummarise the text above in one line."}])
+        return out
+    raise SystemExit(f"unknown mix {mix!r} (workload, shared-system, long)")
+
+
+def kv_tokens(url: str, headers: dict[str, str]) -> int | None:
+    """KV positions in use, from /metrics; None where the server has no such gauge."""
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = re.search(r"^\S*kv_cache_tokens(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
+    return int(float(found.group(1))) if found else None
+
+
+async def sample_kv_peak(url: str, headers: dict[str, str], stop: asyncio.Event) -> int | None:
+    peak: int | None = None
+    while not stop.is_set():
+        value = await asyncio.to_thread(kv_tokens, url, headers)
+        if value is not None:
+            peak = max(peak or 0, value)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)
+    return peak
+
+
 def spec_fields(mode: str) -> dict[str, object]:
     return {"speculative.n_max": 0} if mode == "none" else {"speculative.type": mode}
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mode: str) -> RequestStats:
+async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mode: str,
+                      cache_prompt: bool = False) -> RequestStats:
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "stream": True, "return_tokens": True,
-            "cache_prompt": False, **spec_fields(mode)}
+            "cache_prompt": cache_prompt, **spec_fields(mode)}
     stats = RequestStats()
     t0 = last = time.perf_counter()
     async with client.stream("POST", "/completion", json=body) as r:
@@ -108,17 +161,21 @@ async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mo
 
 
 async def run_level(url: str, headers: dict[str, str], prompts: list[str], clients: int, requests: int,
-                    n_predict: int, mode: str) -> LevelResult:
+                    n_predict: int, mode: str, cache_prompt: bool = False) -> LevelResult:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
 
         async def client_loop(i: int) -> list[RequestStats]:
-            return [await one_request(client, prompts[(i + k * clients) % len(prompts)], n_predict, mode)
-                    for k in range(requests)]
+            return [await one_request(client, prompts[(i + k * clients) % len(prompts)], n_predict, mode,
+                                      cache_prompt) for k in range(requests)]
 
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_kv_peak(url, headers, stop))
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(client_loop(i) for i in range(clients)))
         wall = time.perf_counter() - t0
+        stop.set()
+        kv_peak = await sampler
     all_stats = [s for stats in per_client for s in stats]
     ttft = np.array([s.ttft for s in all_stats]) * 1000
     gaps = np.array([g for s in all_stats for g in s.gaps] or [0.0]) * 1000
@@ -131,6 +188,7 @@ async def run_level(url: str, headers: dict[str, str], prompts: list[str], clien
         ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p99_ms=float(np.percentile(ttft, 99)),
         itl_p50_ms=float(np.percentile(gaps, 50)), itl_p99_ms=float(np.percentile(gaps, 99)),
         draft_n=sum(s.draft_n for s in all_stats), draft_accepted=sum(s.draft_accepted for s in all_stats),
+        kv_tokens_peak=kv_peak,
     )
 
 
@@ -187,7 +245,7 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
 def print_table(results: list[LevelResult]) -> None:
     head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} "
-            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12} {'drafting':>8}")
+            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12} {'drafting':>8} {'KV peak':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -196,7 +254,7 @@ def print_table(results: list[LevelResult]) -> None:
         print(f"{r.mode:<14} {r.clients:>7} {r.requests:>5} {r.tokens:>7} {r.tokens_per_s:>8.1f} "
               f"{r.decode_tokens_per_s:>8.1f} "
               f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
-              f"{acc:>12} {drafting:>8}")
+              f"{acc:>12} {drafting:>8} {r.kv_tokens_peak if r.kv_tokens_peak is not None else '-':>8}")
 
 
 def main() -> int:
@@ -216,12 +274,16 @@ def main() -> int:
                    help="comma-separated: none (no speculation) or a speculative.type per request")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="workloads/prompts.json")
     p.add_argument("--category", default=None, help="only this prompt category (default: all)")
+    p.add_argument("--mix", default="workload", choices=("workload", "shared-system", "long"),
+                   help="prompt mix (module docstring)")
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON output path")
     args = p.parse_args()
 
     levels = [int(c) for c in args.clients.split(",")]
     modes = args.modes.split(",")
-    conversations = load_prompts(args.prompts, args.category)
+    conversations = mix_conversations(load_prompts(args.prompts, args.category), args.mix)
+    if args.mix == "long":
+        args.slot_ctx = max(args.slot_ctx, max(LONG_TOKENS) + 512 + args.n_predict)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     proc = None
     url = args.url
@@ -235,7 +297,8 @@ def main() -> int:
         for clients in levels:
             for mode in modes:  # modes side by side at each level: load changes hit both alike
                 before = gate_turns(url, headers)
-                res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict, mode))
+                res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict, mode,
+                                            cache_prompt=args.mix == "shared-system"))
                 after = gate_turns(url, headers)
                 if before and after and sum(after) > sum(before):
                     res.drafting_turns = (after[0] - before[0]) / (sum(after) - sum(before))
@@ -248,11 +311,13 @@ def main() -> int:
     print_table(results)
     model = Path(props.get("model_alias") or props.get("model_path") or args.model).name.removesuffix(".gguf")
     device = args.device or ("remote" if args.url else "default")
-    out = output_path(str(args.out) if args.out else None, f"serve_{model}_{device}.json")
+    mix = "" if args.mix == "workload" else f"_{args.mix}"
+    out = output_path(str(args.out) if args.out else None, f"serve_{model}_{device}{mix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": model, "url": args.url, "slots": props.get("total_slots"), "n_predict": args.n_predict,
-        "requests_per_client": args.requests, "prompts": str(args.prompts), "host": platform.node(),
+        "requests_per_client": args.requests, "prompts": str(args.prompts), "mix": args.mix,
+        "host": platform.node(),
         "results": [asdict(r) for r in results],
     }, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)

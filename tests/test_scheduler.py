@@ -277,3 +277,30 @@ def test_a_failing_speculator_fails_its_task_only(target: LocalRunner, tokenizer
         assert not any(s["is_processing"] for s in sched.slots_json())
     finally:
         sched.shutdown()
+
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, without lists, and never repeat the "
+          "question. Question: ")
+
+
+def test_a_prompt_prefix_held_by_another_slot_is_copied_not_evaluated(scheduler: Scheduler, target: LocalRunner,
+                                                                       tokenizer: Tokenizer) -> None:
+    """Two requests sharing a system prompt arrive together: the first takes the slot that holds the prefix, the
+    second copies it from there (counted as shared), and its text equals its text without any cache."""
+    questions = ["What is the capital of France?", "Why is the sky blue?"]
+    alone = [wait(submit(scheduler, tokenizer, SYSTEM + q, cache_prompt=False)[1])[0] for q in questions]
+    unrelated = [submit(scheduler, tokenizer, p) for p in PROMPTS]  # both slots now hold other text
+    assert all(isinstance(wait(events)[1], Result) for _, events in unrelated)
+    _, warm = wait(submit(scheduler, tokenizer, SYSTEM + "How far is the moon?")[1])  # a slot now holds SYSTEM
+    assert isinstance(warm, Result)
+    before = scheduler.counters_snapshot().prompt_tokens_shared
+    runs = [submit(scheduler, tokenizer, SYSTEM + q) for q in questions]
+    results = [wait(events) for _, events in runs]
+    assert [text for text, _ in results] == alone
+    prefix = len(tokenizer.encode(SYSTEM))
+    shared = scheduler.counters_snapshot().prompt_tokens_shared - before
+    assert prefix - 2 <= shared <= prefix + 2  # the system prompt (tokens at its end may merge with the question)
+    cached = sorted(r.n_cached for _, r in results if isinstance(r, Result))
+    assert len(cached) == 2 and cached[0] >= prefix - 2  # both skipped the prefix: one kept it, one copied it
+    counters = scheduler.counters_snapshot()  # both slots now hold a prompt and its answer
+    assert 2 * prefix < counters.kv_tokens <= counters.kv_capacity == target.n_seqs * target.n_ctx

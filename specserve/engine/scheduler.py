@@ -40,6 +40,7 @@ from specserve.speculative.base import Chain, SpecParams
 log = logging.getLogger(__name__)
 
 ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) -> the slot's speculator chain
+MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be copied from
 
 
 class Scheduler(SlotResults):
@@ -59,7 +60,7 @@ class Scheduler(SlotResults):
         self.overlap = overlap
         self.n_ctx = runner.n_ctx
         self.slots = [Slot(i) for i in range(runner.n_seqs)]
-        self.counters = SchedulerCounters()
+        self.counters = SchedulerCounters(kv_capacity=runner.n_seqs * runner.n_ctx)
         self._queue: deque[TaskHandle] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -168,7 +169,9 @@ class Scheduler(SlotResults):
         current = self._in_flight
         live = current.live()
         self._in_flight = self._launch(self._plan(live)) if self.overlap and self._chainable(live) else None
-        for entry in live:  # while the device works: the speculators' bookkeeping
+        # While the device works: the speculators' bookkeeping. Skipped while no slot may draft (it catches up at
+        # the next draft), since with many slots the host is what limits a step.
+        for entry in live if self._drafts_allowed else ():
             slot = entry.slot
             if not entry.prompt and slot.use_chain and slot.chain is not None and slot.runs(entry.task_id):
                 try:
@@ -219,6 +222,8 @@ class Scheduler(SlotResults):
             # Evaluate at least one token (its logits start generation); keep no more than the runner still has
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
+            if task.cache_prompt:
+                keep = self._share_prefix(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]
             slot.n_past = slot.n_planned = slot.n_cached = keep
@@ -233,6 +238,21 @@ class Scheduler(SlotResults):
         except Exception as exc:
             log.exception("could not start task %d", task.id)
             self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
+
+    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Where another slot's cache holds more of the prompt than this slot's own (a shared system prompt), copy
+        that sequence's K/V instead of evaluating the prefix again; the caller truncates to the returned length.
+        Only settled positions count (slot.cache), so a step in flight on the other slot cannot matter."""
+        others = [s for s in self.slots if s is not slot]
+        if not others:
+            return keep
+        best = max(others, key=lambda s: common_prefix(s.cache, prompt))
+        shared = min(common_prefix(best.cache, prompt), len(prompt) - 1, self.runner.seq_len[best.id])
+        if shared < keep + MIN_SHARED_PREFIX:
+            return keep
+        self.runner.kv_copy(best.id, slot.id)
+        self.counters.prompt_tokens_shared += shared - keep
+        return shared
 
     def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
         if spec.n_max == 0 or self.chain_factory is None:

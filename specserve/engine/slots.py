@@ -88,6 +88,7 @@ class Slot:
 @dataclass
 class SchedulerCounters:
     prompt_tokens: int = 0
+    prompt_tokens_shared: int = 0  # prompt positions copied from another slot's cache instead of evaluated
     prompt_seconds: float = 0.0
     tokens_predicted: int = 0
     predicted_seconds: float = 0.0
@@ -96,6 +97,8 @@ class SchedulerCounters:
     requests_processing: int = 0
     requests_deferred: int = 0
     n_tokens_max: int = 0
+    kv_tokens: int = 0  # KV positions held by the slots (idle slots keep theirs for prompt caching)
+    kv_capacity: int = 0  # positions all slots together can hold
     requests_done: int = 0
     requests_failed: int = 0
     turns_drafting: int = 0  # turns with two or more generating slots that were allowed to draft

@@ -34,6 +34,8 @@ class SchedulerCollector(Collector):
 
         yield counter("prompt_tokens", "Number of prompt tokens processed.", c.prompt_tokens)
         yield counter("prompt_seconds", "Prompt process time.", c.prompt_seconds)
+        yield counter("prompt_tokens_shared", "Prompt tokens copied from another slot's cache (a shared prefix) "
+                      "instead of evaluated.", c.prompt_tokens_shared)
         yield counter("tokens_predicted", "Number of generation tokens processed.", c.tokens_predicted)
         yield counter("tokens_predicted_seconds", "Predict process time.", c.predicted_seconds)
         yield counter("n_decode", "Number of forward passes (all slots together).", c.n_decode)
@@ -50,6 +52,9 @@ class SchedulerCollector(Collector):
         yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
                     c.requests_deferred)
         yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
+        yield gauge("kv_cache_tokens", "KV cache positions in use (all slots).", c.kv_tokens)
+        yield gauge("kv_cache_usage_ratio", "KV cache positions in use / all positions.",
+                    c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
         turns = CounterMetricFamily(PREFIX + "draft_gate_turns", "Turns with two or more generating slots, by "
                                     "whether the draft gate let them draft.", labels=["choice"])
         turns.add_metric(["draft"], c.turns_drafting)
