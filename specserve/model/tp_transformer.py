@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.linear import ResidualStream
-from specserve.model.blocks import Runs
 from specserve.model.tp_layout import ShardLayout
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights
@@ -64,20 +63,11 @@ class ShardedTransformer(Transformer):
         rows = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.weights.embed)
         return self.comm.all_reduce(torch.where(mine[:, None], rows, torch.zeros_like(rows)))
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        seq_ids: torch.Tensor,
-        logit_rows: torch.Tensor | None,
-        runs: Runs,
-        kv: torch.Tensor,
-    ) -> torch.Tensor:
-        """Transformer.forward on every rank at once: all the vocabulary's fp32 logits on each."""
-        stream = ShardedStream(self.embed_tokens(tokens), self.comm)
-        for layer in self.layers:
-            layer(stream, positions, seq_ids, runs, kv)
-        stream.keep_rows(logit_rows)
+    def input_stream(self, tokens: torch.Tensor) -> ResidualStream:
+        return ShardedStream(self.embed_tokens(tokens), self.comm)
+
+    def logits(self, stream: ResidualStream) -> torch.Tensor:
+        """All the vocabulary's fp32 logits on every rank."""
         logits = self.comm.all_gather(self.head(stream).contiguous())
         vocab = self.layout.config.vocab_size
         return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()  # the padding rows' out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.linear import StepFusion
+from specserve.kernels.linear import ResidualStream, StepFusion
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
 from specserve.model.config import ModelConfig
 from specserve.model.registry import family
@@ -36,8 +36,15 @@ class Transformer:
 
         kv: [n_layers, 2, n_seqs, n_kv_heads, ctx, head_dim]. `runs` comes from Batch.runs().
         """
-        stream = self.fusion.stream(embed(tokens, self.weights.embed))
+        stream = self.input_stream(tokens)
         for layer in self.layers:
             layer(stream, positions, seq_ids, runs, kv)
         stream.keep_rows(logit_rows)
+        return self.logits(stream)
+
+    def input_stream(self, tokens: torch.Tensor) -> ResidualStream:
+        """The residual stream the layers work on: the tokens' embeddings."""
+        return self.fusion.stream(embed(tokens, self.weights.embed))
+
+    def logits(self, stream: ResidualStream) -> torch.Tensor:
         return self.head(stream)
