@@ -24,30 +24,22 @@ from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.kernels.linear import linear
 from specserve.speculative.base import SpecParams
-from specserve.speculative.factory import build_chain
+from tests.helpers import running_scheduler
 
 GREEDY = SamplingParams(temperature=0.0)
 REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c"
 MODEL = {"file": "smollm2", "bytes": 1}
 
 
-@pytest.fixture(scope="module")
-def runner(smollm_path: Path) -> LocalRunner:
-    return LocalRunner(smollm_path, n_seqs=2, n_ctx=256, device="cpu", progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(runner: LocalRunner) -> Tokenizer:
-    return Tokenizer.from_gguf(runner.gguf)
+@pytest.fixture
+def sched(smollm_runner: LocalRunner, smollm_tokenizer: Tokenizer) -> Iterator[Scheduler]:
+    with running_scheduler(smollm_runner, smollm_tokenizer) as s:
+        yield s
 
 
 @pytest.fixture
-def sched(runner: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
-    s = Scheduler(runner, tokenizer, n_batch=16, chain_factory=lambda p, slot: build_chain(p, None, seq=slot),
-                  adaptive_drafts=False)
-    s.start()
-    yield s
-    s.shutdown()
+def tokenizer(smollm_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm_tokenizer
 
 
 def run(sched: Scheduler, prompt: list[int], n_predict: int = 12, **kw: object) -> tuple[list[int], Result]:
@@ -110,11 +102,11 @@ def embed(sched: Scheduler, tokens: list[int], pooling: str = "mean", n_batch: i
     return sched.submit_job(lambda slot: slot_state.embed(sched.runner, slot, tokens, n_batch, pooling)).result(120)
 
 
-def test_embedding_pools_the_normed_final_hidden_state(sched: Scheduler, tokenizer: Tokenizer,
-                                                      runner: LocalRunner) -> None:
+def test_embedding_pools_the_normed_final_hidden_state(sched: Scheduler, tokenizer: Tokenizer) -> None:
+    runner = sched.runner
     tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     mean = embed(sched, tokens)
-    assert mean.shape == (runner.config.hidden,)
+    assert mean.shape == (runner.config.hidden,)  # type: ignore[attr-defined]
     assert torch.equal(embed(sched, tokens), mean)  # same text, same vector
     assert torch.allclose(embed(sched, tokens, n_batch=512), mean, atol=1e-4)  # chunking does not matter
     other = embed(sched, tokenizer.encode("Completely different words about ships"))
@@ -122,7 +114,7 @@ def test_embedding_pools_the_normed_final_hidden_state(sched: Scheduler, tokeniz
     last = embed(sched, tokens, pooling="last")
     assert not torch.allclose(last, mean)
     # the last token's hidden state is what the output head turns into the next-token logits
-    logits = linear(last[None].to(runner.dtype), runner.weights.output, out_dtype=torch.float32)
+    logits = linear(last[None].to(runner.dtype), runner.weights.output, out_dtype=torch.float32)  # type: ignore[attr-defined]
     assert int(logits.argmax()) == run(sched, tokens, n_predict=1)[0][0]
     with pytest.raises(SpecserveError, match="must be 1"):
         embed(sched, [])
@@ -147,10 +139,10 @@ def test_save_restore_round_trip_continues_alike(sched: Scheduler, tokenizer: To
     path = tmp_path / "s.bin"
     n_saved, n_bytes = sched.submit_job(lambda s: slot_state.save(sched.runner, s, path, MODEL), slot_id).result(60)
     assert n_saved == len(prompt) + len(first) - 1 and n_bytes == path.stat().st_size > 0
-    for sid in (0, 1):  # both slots forget it, so only the restored cache can serve the prompt
+    for sid in range(len(sched.slots)):  # every slot forgets it, so only the restored cache can serve the prompt
         sched.submit_job(lambda s: slot_state.erase(sched.runner, s), sid).result(60)
     assert all(not s.cache for s in sched.slots)
-    other = 1 - slot_id
+    other = (slot_id + 1) % len(sched.slots)
     n_restored, _ = sched.submit_job(lambda s: slot_state.restore(sched.runner, s, path, MODEL), other).result(60)
     assert n_restored == n_saved and sched.slots[other].cache[:len(prompt)] == prompt
     again, r2 = run(sched, prompt)
