@@ -219,3 +219,17 @@ def test_bad_slot_actions(server: ServerProcess) -> None:
     error(server.post("/slots/abc?action=erase"), 400)
     error(server.post("/slots/0?action=explode"), 400)
     error(server.post("/slots/0?action=save", {}), 400)
+
+
+@pytest.mark.slow
+def test_infill_on_a_fim_model() -> None:
+    srv = ServerProcess("-m", "qwen2.5-coder-0.5b", "--device", "cpu", "-np", "1", "-c", "1024")
+    try:
+        srv.wait_ready(600)
+        body = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n\nprint(add(1, 2))\n",
+                "n_predict": 4, "temperature": 0, "response_fields": ["content", "tokens_evaluated"]}
+        r = srv.post("/infill", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"].startswith("a + b") and r.json()["tokens_evaluated"] > 20
+    finally:
+        srv.stop()
