@@ -30,6 +30,13 @@ def smollm_runner(smollm_path: Path):
     return LocalRunner(smollm_path, n_seqs=4, n_ctx=1024, device="cpu", progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_runner):
+    from specserve.gguf.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm_runner.gguf)
+
+
 def load_hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
+from specserve.engine.scheduler import Scheduler
+from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import Batch
+from specserve.speculative.factory import build_chain
 
 
 def prefill(runner, seq: int, tokens: list[int], n_batch: int = 512, start: int = 0) -> torch.Tensor:
@@ -16,3 +22,16 @@ def prefill(runner, seq: int, tokens: list[int], n_batch: int = 512, start: int 
         logits = runner.forward(batch)[0]
     assert logits is not None
     return logits
+
+
+@contextmanager
+def running_scheduler(runner, tokenizer: Tokenizer, n_batch: int = 16) -> Iterator[Scheduler]:
+    """A started scheduler with the draft-free speculators, drafting whenever they can (tests assert drafts
+    were made); small n_batch: prompts are read in chunks."""
+    sched = Scheduler(runner, tokenizer, n_batch=n_batch, chain_factory=lambda s, slot: build_chain(s, None, seq=slot),
+                      adaptive_drafts=False)
+    sched.start()
+    try:
+        yield sched
+    finally:
+        sched.shutdown()

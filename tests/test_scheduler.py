@@ -18,6 +18,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
+from tests.helpers import running_scheduler
 
 GREEDY = SamplingParams(temperature=0.0)
 N_SLOTS = 2
@@ -35,12 +36,8 @@ def tokenizer(target: LocalRunner) -> Tokenizer:
 
 @pytest.fixture
 def scheduler(target: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
-    # small n_batch: prompts are read in chunks
-    sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, None, seq=slot),
-                      adaptive_drafts=False)  # (the tests assert that drafts were made)
-    sched.start()
-    yield sched
-    sched.shutdown()
+    with running_scheduler(target, tokenizer) as sched:
+        yield sched
 
 
 def submit(sched: Scheduler, tokenizer: Tokenizer, prompt: str, n_predict: int = 12,

@@ -277,13 +277,13 @@ def test_bad_completion_requests(server: ServerProcess, body: bytes, needle: str
 
 @pytest.mark.parametrize(("path", "body", "needle"), [
     ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n = 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n: input should be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
                                            {"role": "assistant", "content": "b"}]}, "2 or more assistant"),
     ("/v1/completions", {"prompt": "hi", "temperature": float("nan")}, "temperature"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/v1/completions", {"prompt": [1, ["a"]]}, "a batch of prompts"),
     ("/tokenize", {"content": 3}, "content"),
     ("/detokenize", {"tokens": [-1]}, "token id"),
     ("/apply-template", {"messages": "hi"}, "messages"),
@@ -292,6 +292,14 @@ def test_bad_requests_other_endpoints(server: ServerProcess, path: str, body: ob
     content = json.dumps(body).encode()  # NaN becomes the non-JSON token NaN
     message = assert_error(server.post(path, content=content), 400)
     assert needle.lower() in message.lower()
+
+
+def test_slot_actions_need_a_save_path(server: ServerProcess) -> None:
+    """As llama-server: without --slot-save-path every slot action is 501 not_supported_error."""
+    for action in ("save", "restore", "erase"):
+        r = server.post(f"/slots/0?action={action}", {"filename": "x.bin"})
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text
+        assert "--slot-save-path" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("path", "body"), [

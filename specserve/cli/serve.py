@@ -40,11 +40,13 @@ def _apply_env(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from specserve.cli.args import add_model_args, add_sampling_args, add_spec_args
+    from specserve.engine.slot_state import POOLINGS
 
     p = subparsers.add_parser(
         "serve", help="run the HTTP server (llama-server and OpenAI compatible)",
         description="Serve a GGUF model over HTTP: /completion, /v1/completions, /v1/chat/completions, "
-                    "/tokenize, /detokenize, /apply-template, /props, /slots, /v1/models, /metrics, /health.",
+                    "/infill, /embedding, /v1/embeddings, /tokenize, /detokenize, /apply-template, /props, /slots, "
+                    "/v1/models, /metrics, /health.",
     )
     add_model_args(p)
     for action in p._actions:
@@ -73,6 +75,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests may take to finish after SIGTERM before they are ended "
                         "(default 10)")
+    g.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory for POST /slots/{id}?action=save|restore files (created if missing; without it "
+                        "those actions answer 501, as llama-server)")
+    g.add_argument("--pooling", choices=POOLINGS, default=None,
+                   help="how /embedding(s) pool the final hidden states: mean (the default, unless the GGUF names "
+                        "last-token pooling) or last")
+    g.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                   help="accepted for llama-server's command lines: the embedding endpoints are always served")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     add_sampling_args(p)
     add_spec_args(p)
@@ -110,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tensor_parallel=tensor_parallel_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
+        slot_save_path=args.slot_save_path, pooling=args.pooling,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
     )
     check_settings(settings)

@@ -206,6 +206,31 @@ class LocalRunner:
         self.ledger.copy(src, dst)
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
 
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Eager (no graph captures it: embeddings are off the decode path); fp32 [wanted rows, hidden]."""
+        runs = self.ledger.admit(batch, None)
+        self.ledger.last_rows = 0  # it leaves no argmax ring: nothing may be fed from it
+        dev = self.device
+        with torch.inference_mode():
+            def on_device(values: Sequence[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.long).to(dev)
+
+            return self.model.hidden(on_device(batch.tokens), on_device(batch.positions),
+                                     on_device(batch.seq_ids), on_device(batch.logit_rows()), runs, self.kv)
+
+    def kv_read(self, seq: int) -> torch.Tensor:
+        n = self.seq_len[seq]
+        return self.kv[:, :, seq, :, :n].to("cpu", copy=True)
+
+    def kv_write(self, seq: int, kv: torch.Tensor) -> None:
+        layers, two, heads, _, dim = self.kv[:, :, seq].shape
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, two, heads, dim):
+            raise SpecserveError(f"a KV cache of shape {tuple(kv.shape)} does not fit this model's "
+                                 f"[{layers}, 2, {heads}, n, {dim}]")
+        n = kv.shape[3]
+        self.ledger.restore(seq, n)
+        self.kv[:, :, seq, :, :n] = kv.to(self.device, self.dtype)
+
     def memory_info(self) -> dict[str, int]:
         kv_bytes = self.kv.numel() * self.kv.element_size()
         return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": kv_bytes}

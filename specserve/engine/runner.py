@@ -58,6 +58,21 @@ class Runner(Protocol):
 
     def kv_copy(self, src: int, dst: int) -> None: ...
 
+    # Not on the decode path (embeddings, slot files); a runner that cannot raises errors.NotSupported.
+
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """A forward pass, run now (its K/V enter the cache), returning the final hidden states after the
+        output norm, fp32 [rows wanting logits, hidden], instead of logits. No later step may be fed from it."""
+        ...
+
+    def kv_read(self, seq: int) -> torch.Tensor:
+        """A copy of the sequence's cache on the CPU: [n_layers, 2, n_kv_heads, seq_len[seq], head_dim]."""
+        ...
+
+    def kv_write(self, seq: int, kv: torch.Tensor) -> None:
+        """Make the sequence's cache kv (a kv_read() of a runner of the same model); its length kv.shape[3]."""
+        ...
+
     def draft_limit(self, n_max: int) -> int:
         """The most draft tokens a verify step should carry (n_max or fewer)."""
         ...

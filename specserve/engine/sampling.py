@@ -33,6 +33,14 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request for several (n > 1): choice 0 keeps the request's (so n = 1
+    gives the same text), each other choice an unrelated one drawn from (seed, choice); -1 stays random."""
+    if seed == -1 or choice == 0:
+        return seed
+    return _mix64(seed ^ _mix64(choice))
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

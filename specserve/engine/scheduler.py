@@ -27,6 +27,7 @@ from dataclasses import replace
 from specserve.engine.draft_gate import DraftGate, draft_cap
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
+from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight, Plan
@@ -43,7 +44,7 @@ ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) ->
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be copied from
 
 
-class Scheduler(SlotResults):
+class Scheduler(SlotResults, SlotJobs):
     """Serves up to runner.n_seqs tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -62,6 +63,7 @@ class Scheduler(SlotResults):
         self.slots = [Slot(i) for i in range(runner.n_seqs)]
         self.counters = SchedulerCounters(kv_capacity=runner.n_seqs * runner.n_ctx)
         self._queue: deque[TaskHandle] = deque()
+        self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight: InFlight | None = None
@@ -111,7 +113,8 @@ class Scheduler(SlotResults):
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue) or any(s.handle is not None for s in self.slots) or self._in_flight is not None
+        return (bool(self._queue) or bool(self._jobs) or any(s.handle is not None for s in self.slots)
+                or self._in_flight is not None)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class Scheduler(SlotResults):
         for slot in self.slots:  # (outside the lock: ending a speculator may write its cache file)
             if slot.handle is not None and slot.handle.cancelled:
                 self._finish(slot, "cancelled")
+        if self._in_flight is None and self._jobs:  # before queued tasks take the idle slots
+            self._run_jobs()
         with self._cond:
             started = self._admit()
         for handle in started:
@@ -211,6 +216,7 @@ class Scheduler(SlotResults):
                     self._fail(slot, message)
             while self._queue:
                 self._queue.popleft().emit(Failure(message))
+            self._fail_jobs(message)
 
     # -- task start ----------------------------------------------------------------------------------
 
@@ -270,6 +276,8 @@ class Scheduler(SlotResults):
         in it needs only argmax and carries no draft (a step's first token at a known position), and none ends
         for sure."""
         if not live and not self._queue and not any(s.state == SlotState.PROMPT for s in self.slots):
+            return False
+        if self._jobs and self._job_ready():  # let it run at the next turn, with no step in flight
             return False
         for e in live:
             slot, task = e.slot, e.slot.task

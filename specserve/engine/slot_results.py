@@ -66,6 +66,8 @@ class SlotResults:
         if picked is not None:
             return slot.sampler.accept(picked, draft)
         assert rows is not None
+        if slot.task.logit_bias is not None:  # before penalties, as llama.cpp's chain; a draft token at -inf
+            rows = slot.task.logit_bias.apply(rows)  # can never be its row's choice: it is rejected
         constraint = slot.task.constraint
         if constraint is not None:  # forbidden tokens at -inf before argmax or sampling; a forbidden draft
             rows = constraint.apply(rows, draft)  # token can then never match its row: it is rejected

@@ -55,10 +55,12 @@ class Slot:
 
     @property
     def greedy_only(self) -> bool:
-        """The task needs only each row's argmax (no sampling, no probabilities, no grammar mask): its steps
-        can be chained."""
-        return (self.sampler is not None and self.sampler.argmax_only and self.handle is not None
-                and self.handle.task.n_probs == 0 and self.handle.task.constraint is None)
+        """The task needs only each row's argmax (no sampling, no probabilities, no grammar mask, no logit
+        bias): its steps can be chained."""
+        if self.sampler is None or not self.sampler.argmax_only or self.handle is None:
+            return False
+        task = self.handle.task
+        return task.n_probs == 0 and task.constraint is None and task.logit_bias is None
 
     def to_json(self, n_ctx: int) -> dict[str, object]:
         """The slot as llama-server's /slots shows it."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.engine.constraints import Constraint
+from specserve.engine.logit_bias import LogitBias
 from specserve.engine.sampling import SamplingParams
 from specserve.speculative.base import SpecParams
 
@@ -34,6 +35,7 @@ class Task:
     ignore_eos: bool = False  # generate past end-of-generation tokens (benchmarks)
     # grammar / JSON schema: this task's own matcher state (GrammarCompiler.compile() makes one per task)
     constraint: Constraint | None = None
+    logit_bias: LogitBias | None = None  # None when the request gives none (the greedy argmax shortcut stays open)
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:
@@ -46,6 +48,7 @@ class Task:
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
             "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
             "grammar": self.constraint.source.text if self.constraint is not None else "",
+            "logit_bias": self.logit_bias.to_json() if self.logit_bias is not None else [],
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,
             "speculative.type": p.type, "speculative.ngram_size_n": p.ngram_size_n,
             "speculative.ngram_size_m": p.ngram_size_m, "speculative.ngram_c_rate": p.ngram_check_rate,

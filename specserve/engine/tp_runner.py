@@ -29,7 +29,7 @@ import torch.distributed as dist
 from specserve.engine.host_copy import LaunchedStep
 from specserve.engine.local_runner import LocalRunner, checked_device, default_dtype
 from specserve.engine.tp_launch import RankGroup, start_rank0
-from specserve.errors import SpecserveError
+from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
@@ -98,6 +98,16 @@ class TensorParallelRunner(ShardRunner):
             self._check_alive()
             super().kv_copy(src, dst)
             self._send_or_fail([COPY, src, dst])
+
+    # Embeddings and slot files would need commands of their own on every rank: not done yet.
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        raise NotSupported("embeddings are not supported with --tensor-parallel yet")
+
+    def kv_read(self, seq: int) -> torch.Tensor:
+        raise NotSupported("slot save/restore is not supported with --tensor-parallel yet")
+
+    def kv_write(self, seq: int, kv: torch.Tensor) -> None:
+        raise NotSupported("slot save/restore is not supported with --tensor-parallel yet")
 
     def close(self) -> None:
         """Stop the followers (a STOP command, then waiting for the ones spawned here), leave the group.

@@ -17,6 +17,7 @@ the models we ship):
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 import operator
 import threading
@@ -90,6 +91,10 @@ _EOT_TEXTS = (
 _FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
 _FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP_TEXTS = ("<|file_sep|>",)
+# Fill-in-the-middle: prefix / suffix / middle token texts llama.cpp recognizes when the GGUF names no id.
+_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|code_prefix|>")
+_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<|code_suffix|>")
+_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<|code_middle|>")
 
 
 @lru_cache(maxsize=1)
@@ -190,7 +195,13 @@ class Tokenizer:
         # flag on one shared object would race between threads encoding at the same time.
         self._backend_plain: HFTokenizer | None = None
         self._lock = threading.Lock()
+        self._by_text = {t: i for i, t in enumerate(tokens)}  # a repeated text keeps its last id, as in llama.cpp
         self.eog_ids: frozenset[int] = self._find_eog(metadata)
+        # FIM token ids ("pre", "suf", "mid", "rep", "sep"; None where the model has none): /infill's layout
+        self.fim: dict[str, int | None] = {name: self._detect(metadata, f"tokenizer.ggml.fim_{name}_token_id", texts)
+                                           for name, texts in (("pre", _FIM_PRE_TEXTS), ("suf", _FIM_SUF_TEXTS),
+                                                               ("mid", _FIM_MID_TEXTS), ("rep", _FIM_REP_TEXTS),
+                                                               ("sep", _FIM_SEP_TEXTS))}
 
     @staticmethod
     def _build_backend(vocab: dict[str, int], merges: list[tuple[str, str]], pre: _PreTokenizer) -> HFTokenizer:
@@ -224,18 +235,18 @@ class Tokenizer:
         if user:
             backend.add_tokens(user)
 
+    def _detect(self, metadata: dict, key: str, texts: Sequence[str]) -> int | None:
+        """A special token's id: the GGUF's key, else the first id among the texts llama.cpp knows for it."""
+        found = _optional_id(metadata, key, self.vocab_size)
+        if found is not None:
+            return found
+        ids = [self._by_text[t] for t in texts if t in self._by_text]
+        return min(ids) if ids else None
+
     def _find_eog(self, metadata: dict) -> frozenset[int]:
         """End-of-generation ids by llama.cpp's rules: known texts, FIM pad/repo/sep, eos/eot/eom."""
-        n = self.vocab_size
-        by_text = {t: i for i, t in enumerate(self._tokens)}  # a repeated text keeps its last id, as in llama.cpp
-
-        def detect(key: str, texts: Sequence[str]) -> int | None:
-            found = _optional_id(metadata, key, n)
-            if found is not None:
-                return found
-            ids = [by_text[t] for t in texts if t in by_text]
-            return min(ids) if ids else None
-
+        by_text = self._by_text
+        detect = functools.partial(self._detect, metadata)
         eot = detect("tokenizer.ggml.eot_token_id", _EOT_TEXTS)
         eom = detect("tokenizer.ggml.eom_token_id", ("<|eom_id|>",))
         fim = [

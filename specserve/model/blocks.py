@@ -114,3 +114,7 @@ class OutputHead:
 
     def __call__(self, stream: ResidualStream) -> torch.Tensor:
         return self.head(stream)
+
+    def normed(self, stream: ResidualStream) -> torch.Tensor:
+        """The final RMSNorm only: the hidden state the logits are computed from."""
+        return stream.normed(self.head.norm, self.head.eps)

@@ -61,6 +61,15 @@ class KVLedger:
             raise SpecserveError(f"cannot truncate sequence {seq} of length {self.seq_len[seq]} to {n_keep}")
         self.seq_len[seq] = n_keep
 
+    def restore(self, seq: int, n: int) -> None:
+        """The sequence now holds n positions written from elsewhere (a saved slot)."""
+        if not 0 <= seq < self.n_seqs:
+            raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")
+        if not 0 <= n <= self.n_ctx:
+            raise SpecserveError(f"{n} positions do not fit a sequence of {self.n_ctx}")
+        self.seq_len[seq] = n
+        self.last_rows = 0  # nothing may be fed from a step before this
+
     def copy(self, src: int, dst: int) -> None:
         if not (0 <= src < self.n_seqs and 0 <= dst < self.n_seqs):
             raise SpecserveError(f"cannot copy sequence {src} to {dst}")

@@ -23,6 +23,14 @@ class Transformer:
         self.head = OutputHead(config, weights)
         self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
 
+    def _stream(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                logit_rows: torch.Tensor | None, runs: Runs, kv: torch.Tensor) -> ResidualStream:
+        stream = self.input_stream(tokens)
+        for layer in self.layers:
+            layer(stream, positions, seq_ids, runs, kv)
+        stream.keep_rows(logit_rows)
+        return stream
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -36,11 +44,12 @@ class Transformer:
 
         kv: [n_layers, 2, n_seqs, n_kv_heads, ctx, head_dim]. `runs` comes from Batch.runs().
         """
-        stream = self.input_stream(tokens)
-        for layer in self.layers:
-            layer(stream, positions, seq_ids, runs, kv)
-        stream.keep_rows(logit_rows)
-        return self.logits(stream)
+        return self.logits(self._stream(tokens, positions, seq_ids, logit_rows, runs, kv))
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+               logit_rows: torch.Tensor | None, runs: Runs, kv: torch.Tensor) -> torch.Tensor:
+        """As forward, but the fp32 final hidden states of `logit_rows` (after the output norm): embeddings."""
+        return self.head.normed(self._stream(tokens, positions, seq_ids, logit_rows, runs, kv)).float()
 
     def input_stream(self, tokens: torch.Tensor) -> ResidualStream:
         """The residual stream the layers work on: the tokens' embeddings."""

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from specserve.errors import SpecserveError
+from specserve.errors import NotSupported, SpecserveError
 from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
 from specserve.remote.protocol import (
@@ -256,6 +256,18 @@ class RemoteRunner:
     def kv_copy(self, src: int, dst: int) -> None:
         self.ledger.copy(src, dst)
         self._acks.add(self._send("kv_copy", src=src, dst=dst))
+
+    # The protocol has no commands for these yet (they would carry hidden states and whole caches).
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        raise NotSupported("embeddings are not supported with --remote (the remote protocol has no such command)")
+
+    def kv_read(self, seq: int) -> torch.Tensor:
+        raise NotSupported("slot save/restore is not supported with --remote (the remote protocol has no such "
+                           "command)")
+
+    def kv_write(self, seq: int, kv: torch.Tensor) -> None:
+        raise NotSupported("slot save/restore is not supported with --remote (the remote protocol has no such "
+                           "command)")
 
     def draft_limit(self, n_max: int) -> int:
         rows = self.max_step_rows

@@ -24,12 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
-from specserve.engine.tasks import Task
-from specserve.errors import SpecserveError
+from specserve.errors import NotSupported, SpecserveError
 from specserve.server import metrics, openapi, webui
+from specserve.server.builders import Builder, build_chat, build_completion, build_infill, build_v1_completion
+from specserve.server.embeddings import embeddings
 from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
-from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
 from specserve.server.openapi import operation
 from specserve.server.request_log import RequestLogMiddleware
@@ -38,10 +38,14 @@ from specserve.server.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    InfillRequest,
     OpenAICompletionRequest,
+    SlotFileRequest,
     TokenizeRequest,
     parse_body,
 )
+from specserve.server.slot_files import slot_action
 from specserve.server.streaming import respond
 from specserve.server.tokenizing import json_list
 
@@ -94,41 +98,6 @@ class GateMiddleware:
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
         return bool(given) and hmac.compare_digest(given.encode(), (self.state.api_key or "").encode())
-
-
-# What a generation route does in a worker thread: parse, template, tokenize, build the task and its format.
-Builder = Callable[[Engine, bytes], tuple[Task, Format, bool]]
-
-
-def _build_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
-    req = parse_body(CompletionRequest, body)
-    prompt = engine.tokenize_prompt(req.prompt)
-    n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
-    task = engine.make_task(req, prompt, n_predict, req.n_probs)
-    return task, NativeFormat(engine, task, req.return_tokens), req.stream
-
-
-def _build_v1_completion(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
-    req = parse_body(OpenAICompletionRequest, body)
-    engine.check_model(req.model)
-    prompt = engine.tokenize_prompt(req.prompt)
-    task = engine.make_task(req, prompt, req.max_tokens, req.logprobs or 0)
-    echo = ""
-    if req.echo:
-        echo = req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(prompt)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return task, CompletionFormat(engine, task, echo, include_usage), req.stream
-
-
-def _build_chat(engine: Engine, body: bytes) -> tuple[Task, Format, bool]:
-    req = parse_body(ChatRequest, body)
-    engine.check_model(req.model)
-    prompt = engine.chat_prompt(req, req.parse_special)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    n_probs = (req.top_logprobs or 1) if req.logprobs else 0
-    task = engine.make_task(req, prompt, max_tokens, n_probs)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return task, ChatFormat(engine, task, include_usage, req.top_logprobs or 0), req.stream
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:
@@ -197,6 +166,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def bad_request(request: Request, exc: SpecserveError) -> JSONResponse:
         if isinstance(exc, RequestError):
             return exc.response()
+        if isinstance(exc, NotSupported):  # this set-up cannot (a flag not given, a remote runner): as llama-server
+            return error_response(501, str(exc))
         return error_response(400, str(exc))
 
     @app.exception_handler(Unavailable)
@@ -235,8 +206,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             body = await request.body()
             engine = eng()
-            task, fmt, stream = await run_in_threadpool(build, engine, body)
-            return await respond(request, engine, task, fmt, stream, ticket)
+            job = await run_in_threadpool(build, engine, body)
+            state.admission.widen(ticket, len(job.tasks))  # a batch or n choices: every task counts
+            return await respond(request, engine, job, ticket)
         except BaseException:
             ticket.release()
             raise
@@ -244,16 +216,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/completion", openapi_extra=operation(CompletionRequest, stream=True))
     @app.post("/completions", openapi_extra=operation(CompletionRequest, stream=True))
     async def completion(request: Request) -> Response:
-        return await generate(request, _build_completion)
+        return await generate(request, build_completion)
+
+    @app.post("/infill", openapi_extra=operation(InfillRequest, stream=True))
+    async def infill(request: Request) -> Response:
+        return await generate(request, build_infill)
 
     @app.post("/v1/completions", openapi_extra=operation(OpenAICompletionRequest, stream=True))
     async def v1_completions(request: Request) -> Response:
-        return await generate(request, _build_v1_completion)
+        return await generate(request, build_v1_completion)
 
     @app.post("/v1/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
     @app.post("/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, _build_chat)
+        return await generate(request, build_chat)
 
     async def off_loop(request: Request, work: Callable[[Engine, bytes], bytes]) -> Response:
         body = await request.body()
@@ -274,6 +250,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return json.dumps({"prompt": prompt}, ensure_ascii=False).encode()
 
         return await off_loop(request, render)
+
+    @app.post("/embedding", openapi_extra=operation(EmbeddingRequest))
+    @app.post("/embeddings", openapi_extra=operation(EmbeddingRequest))
+    async def embedding(request: Request) -> Response:
+        return JSONResponse(await embeddings(eng(), state.admission, await request.body(), openai=False))
+
+    @app.post("/v1/embeddings", openapi_extra=operation(EmbeddingRequest))
+    async def v1_embeddings(request: Request) -> Response:
+        return JSONResponse(await embeddings(eng(), state.admission, await request.body(), openai=True))
+
+    @app.post("/slots/{id_slot}", openapi_extra=operation(SlotFileRequest))
+    async def slots_action(request: Request, id_slot: str, action: str = "") -> Response:
+        return JSONResponse(await slot_action(eng(), id_slot, action, await request.body()))
 
     @app.get("/props", openapi_extra=operation())
     async def props() -> Response:

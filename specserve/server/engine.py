@@ -16,14 +16,17 @@ from specserve import catalog
 from specserve.engine.constraints import GrammarCompiler
 from specserve.engine.loading import RemoteOptions, load_with_draft
 from specserve.engine.local_runner import LocalRunner, checked_device
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.logit_bias import LogitBias
+from specserve.engine.sampling import SamplingParams, choice_seed
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.slot_state import POOLINGS
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server.chat_tokens import ControlTokens
 from specserve.server.errors import ContextSizeError, ModelNotFound
+from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
@@ -52,6 +55,8 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
     cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
+    slot_save_path: str | None = None  # directory of /slots save/restore files; None: those actions are 501
+    pooling: str | None = None  # embeddings: "mean" or "last"; None: the GGUF's pooling_type if one of them, else mean
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
@@ -78,10 +83,25 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
     if s.max_queue < 0:
         raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
+    if s.pooling is not None and s.pooling not in POOLINGS:
+        raise SpecserveError(f"--pooling must be one of {', '.join(POOLINGS)}, got {s.pooling!r}")
+    if s.slot_save_path is not None:
+        try:
+            Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SpecserveError(f"--slot-save-path {s.slot_save_path}: {exc.strerror or exc}") from None
     if s.remote is None:  # (a remote host checks its own device)
         checked_device(s.device)
     s.sampling.validate()
     s.spec.validate()
+
+
+def _gguf_pooling(runner: LocalRunner) -> str:
+    """Embedding models say how they pool (`{arch}.pooling_type`: 1 mean, 3 last); generative ones do not."""
+    gguf = getattr(runner, "gguf", None)
+    meta = getattr(gguf, "metadata", None) or {}
+    kind = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    return "last" if kind == 3 else "mean"
 
 
 class Engine:
@@ -103,6 +123,7 @@ class Engine:
                                    adaptive_drafts=settings.adaptive_drafts,
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
         self.n_ctx = runner.n_ctx
+        self.pooling = settings.pooling or _gguf_pooling(runner)
         self.created = int(time.time())
         name = settings.alias or settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
@@ -131,6 +152,10 @@ class Engine:
         engine.scheduler.start()
         return engine
 
+    def slot_model(self) -> dict[str, object]:
+        """What a slot file records of the model its K/V belong to (engine/slot_state.py)."""
+        return {"file": self.model_path.name, "bytes": self.runner.file_bytes}
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()
 
@@ -140,20 +165,10 @@ class Engine:
 
     # -- prompts ------------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | list[int] | list[str]) -> list[int]:
-        """A completion prompt: text (bos added as the model asks) or token ids. (CPU-heavy: call it from a
-        worker thread, as every method here that tokenizes or renders.)"""
-        if isinstance(prompt, str):
-            return self.encoder.encode(prompt, add_special=True, parse_special=True)
-        if prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise SpecserveError(f"one prompt per request, got a list of {len(prompt)}")
-            return self.encoder.encode(prompt[0], add_special=True, parse_special=True)  # type: ignore[arg-type]
-        bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]  # type: ignore[operator]
-        if bad:
-            raise SpecserveError(f"prompt token id {bad[0]} is out of range (vocabulary has "
-                                 f"{self.tokenizer.vocab_size} tokens)")
-        return list(prompt)  # type: ignore[arg-type]
+    def tokenize_prompts(self, prompt: PromptInput) -> list[list[int]]:
+        """A completion request's prompts (one, or a batch: server/prompts.py), text with bos as the model
+        asks. (CPU-heavy: call it from a worker thread, as every method here that tokenizes or renders.)"""
+        return [tokenize_one(self.encoder, p) for p in split_prompts(prompt)]
 
     def _render(self, req: ChatTemplateFields, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None) -> str:
@@ -180,8 +195,10 @@ class Engine:
 
     # -- tasks --------------------------------------------------------------------------------------
 
-    def make_task(self, fields: GenerationFields, prompt: list[int], n_predict: int | None,
-                  n_probs: int = 0) -> Task:
+    def make_tasks(self, fields: GenerationFields, prompts: list[list[int]], n_predict: int | None,
+                   n_probs: int = 0, n_choices: int = 1) -> list[Task]:
+        """n_choices tasks per prompt, prompt-major; with a fixed seed choice i samples with a seed of its
+        own drawn from (seed, i), so choices differ and repeat."""
         s = self.settings
         try:
             sampling = replace(s.sampling, **fields.sampling_overrides()).validate()
@@ -193,22 +210,28 @@ class Engine:
             spec = s.spec.with_overrides(**overrides)
         except TypeError as exc:  # a value of the wrong kind that the schema let through
             raise SpecserveError(f"invalid parameter: {exc}") from None
-        if not prompt:
-            raise SpecserveError("the prompt is empty")
-        if len(prompt) >= self.n_ctx:
-            raise ContextSizeError(len(prompt), self.n_ctx)
-        n_predict = s.n_predict if n_predict is None else n_predict
-        # At most the tokens that fit the slot (the last generated one needs no room of its own), so
-        # the limit shown in /slots and generation_settings is one the request can reach.
-        room = self.n_ctx - len(prompt) + 1
-        if n_predict > room:
-            n_predict = room
+        bias = resolve_logit_bias(self.encoder, fields.logit_bias) if fields.logit_bias else {}
+        logit_bias = LogitBias(bias) if bias else None  # (read-only: the tasks share it)
         source = fields.grammar_source()
-        # Compiled here, in the request's worker thread (never on the event loop or the scheduler's thread).
-        constraint = self.grammars.compile(source) if source is not None else None
-        return Task(prompt=prompt, sampling=sampling, spec=spec, n_predict=n_predict, stop=fields.stop_list(),
-                    cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
-                    constraint=constraint)
+        tasks = []
+        for prompt in prompts:
+            if not prompt:
+                raise SpecserveError("the prompt is empty")
+            if len(prompt) >= self.n_ctx:
+                raise ContextSizeError(len(prompt), self.n_ctx)
+            limit = s.n_predict if n_predict is None else n_predict
+            # At most the tokens that fit the slot (the last generated one needs no room of its own), so
+            # the limit shown in /slots and generation_settings is one the request can reach.
+            limit = min(limit, self.n_ctx - len(prompt) + 1)
+            for choice in range(n_choices):
+                # Compiled here, in the request's worker thread (never on the event loop or the scheduler's
+                # thread); each task gets a matcher of its own.
+                constraint = self.grammars.compile(source) if source is not None else None
+                tasks.append(Task(prompt=prompt, sampling=replace(sampling, seed=choice_seed(sampling.seed, choice)),
+                                  spec=spec, n_predict=limit, stop=fields.stop_list(),
+                                  cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
+                                  constraint=constraint, logit_bias=logit_bias))
+        return tasks
 
     def default_params(self) -> dict[str, object]:
         s = self.settings

@@ -1,7 +1,9 @@
 """Response shapes: llama-server's native /completion and OpenAI's completions / chat completions.
 
-Each format turns the scheduler's events into JSON objects: `chunk` for one streamed step,
-`final` for the streamed tail, `body` for a whole non-streaming answer.
+Each format turns one task's events into JSON objects: `chunk` for one streamed step, `final` for its
+streamed end, `body` for its whole non-streaming answer. A request of several tasks (a batch of prompts, n
+choices) has one format per task, placed (`place`) as choice / result `index` of one answer; the first
+format then writes what the answer has once: `tail` (the stream's last events) and `combine` (the body).
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from specserve.server.engine import Engine
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 
 
-def usage(result: Result) -> dict[str, Any]:
-    return {"prompt_tokens": result.n_prompt, "completion_tokens": result.n_predicted,
-            "total_tokens": result.n_prompt + result.n_predicted,
-            "prompt_tokens_details": {"cached_tokens": result.n_cached}}
+def usage(results: list[Result], formats: list[Format]) -> dict[str, Any]:
+    """Generated tokens of every choice; each prompt's tokens once (n choices of a prompt share them, as
+    OpenAI counts)."""
+    firsts = [r for r, f in zip(results, formats, strict=True) if f.counts_prompt]
+    n_prompt = sum(r.n_prompt for r in firsts)
+    n_predicted = sum(r.n_predicted for r in results)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_predicted, "total_tokens": n_prompt + n_predicted,
+            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in firsts)}}
 
 
 class Format:
@@ -30,9 +36,24 @@ class Format:
         self.engine = engine
         self.task = task
         self.created = int(time.time())
+        self.index = 0  # its place among the answer's choices or results
+        self.counts_prompt = True  # the first choice of its prompt (usage counts the prompt once)
+
+    def place(self, index: int, lead: Format) -> None:
+        """Make this task the answer's `index`-th, in the answer `lead` (the first format) heads."""
+        self.index, self.created = index, lead.created
 
     def start(self) -> list[dict[str, Any]]:
         return []
+
+    def tail(self, results: list[Result], formats: list[Format]) -> list[dict[str, Any]]:
+        """The stream's events after every task's final ones."""
+        return []
+
+    def combine(self, bodies: list[dict[str, Any]], results: list[Result],
+                formats: list[Format]) -> dict[str, Any] | list[dict[str, Any]]:
+        """The non-streaming answer from each task's body."""
+        raise NotImplementedError
 
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -61,9 +82,11 @@ def token_entry(engine: Engine, token: int, logprob: float) -> dict[str, Any]:
 class NativeFormat(Format):
     """llama-server POST /completion."""
 
-    def __init__(self, engine: Engine, task: Task, return_tokens: bool = False):
+    def __init__(self, engine: Engine, task: Task, return_tokens: bool = False,
+                 response_fields: list[str] | None = None):
         super().__init__(engine, task)
         self.return_tokens = return_tokens
+        self.response_fields = response_fields or []
 
     def _probs(self, probs: list[TokenProb]) -> list[dict[str, Any]]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -74,15 +97,15 @@ class NativeFormat(Format):
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
         if not chunk.text and not self.return_tokens and not chunk.probs:
             return None
-        out: dict[str, Any] = {"index": 0, "content": chunk.text, "tokens": chunk.tokens if self.return_tokens else [],
-                               "stop": False}
+        out: dict[str, Any] = {"index": self.index, "content": chunk.text,
+                               "tokens": chunk.tokens if self.return_tokens else [], "stop": False}
         if chunk.probs:
             out["completion_probabilities"] = self._probs(chunk.probs)
         return out
 
     def _summary(self, result: Result) -> dict[str, Any]:
         return {
-            "index": 0, "id_slot": result.slot, "stop": True, "model": self.engine.model_name,
+            "index": self.index, "id_slot": result.slot, "stop": True, "model": self.engine.model_name,
             "tokens_predicted": result.n_predicted, "tokens_evaluated": result.n_prompt,
             "generation_settings": self.task.params_json(), "truncated": self._truncated(result),
             "stop_type": result.stop_type if result.stop_type != "cancelled" else "none",
@@ -90,8 +113,23 @@ class NativeFormat(Format):
             "timings": result.timings(),
         }
 
+    def _only_asked(self, out: dict[str, Any]) -> dict[str, Any]:
+        """llama-server's response_fields: only those fields ("a/b" reaches into objects), under those names."""
+        if not self.response_fields:
+            return out
+        picked: dict[str, Any] = {}
+        for path in self.response_fields:
+            value: Any = out
+            for key in path.split("/"):
+                if not isinstance(value, dict) or key not in value:
+                    break
+                value = value[key]
+            else:
+                picked[path] = value
+        return picked
+
     def final(self, result: Result) -> list[dict[str, Any]]:
-        return [{"content": "", "tokens": [], **self._summary(result)}]
+        return [self._only_asked({"content": "", "tokens": [], **self._summary(result)})]
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         content = "".join(c.text for c in chunks)
@@ -99,7 +137,11 @@ class NativeFormat(Format):
                "has_new_line": "\n" in content, **self._summary(result)}
         if self.task.n_probs:
             out["completion_probabilities"] = self._probs([p for c in chunks for p in c.probs or []])
-        return out
+        return self._only_asked(out)
+
+    def combine(self, bodies: list[dict[str, Any]], results: list[Result],
+                formats: list[Format]) -> dict[str, Any] | list[dict[str, Any]]:
+        return bodies[0] if len(bodies) == 1 else bodies  # a batch of prompts: a list, as llama-server
 
 
 class OpenAIFormat(Format):
@@ -119,16 +161,26 @@ class OpenAIFormat(Format):
         return {"id": self.id, "object": obj or self.object, "created": self.created, "model": self.engine.model_name,
                 "system_fingerprint": "specserve", "choices": [choice] if choice is not None else []}
 
+    def place(self, index: int, lead: Format) -> None:
+        super().place(index, lead)
+        assert isinstance(lead, OpenAIFormat)
+        self.id = lead.id
+
     def _empty_choice(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def final(self, result: Result) -> list[dict[str, Any]]:
         last = self._envelope({**self._empty_choice(), "finish_reason": FINISH_REASON[result.stop_type]})
         last["timings"] = result.timings()
-        out = [last]
-        if self.include_usage:
-            out.append({**self._envelope(None), "usage": usage(result)})
-        return out
+        return [last]
+
+    def tail(self, results: list[Result], formats: list[Format]) -> list[dict[str, Any]]:
+        return [{**self._envelope(None), "usage": usage(results, formats)}] if self.include_usage else []
+
+    def combine(self, bodies: list[dict[str, Any]], results: list[Result],
+                formats: list[Format]) -> dict[str, Any] | list[dict[str, Any]]:
+        """One answer: every task's choice, in index order, and the usage of all."""
+        return {**bodies[0], "choices": [c for b in bodies for c in b["choices"]], "usage": usage(results, formats)}
 
 
 class CompletionFormat(OpenAIFormat):
@@ -154,25 +206,26 @@ class CompletionFormat(OpenAIFormat):
                 "top_logprobs": [{self._piece(t): lp for t, lp in p.top} for p in probs], "text_offset": offsets}
 
     def _empty_choice(self) -> dict[str, Any]:
-        return {"text": "", "index": 0, "logprobs": None}
+        return {"text": "", "index": self.index, "logprobs": None}
 
     def start(self) -> list[dict[str, Any]]:
         if not self.echo_text:
             return []
-        return [self._envelope({"text": self.echo_text, "index": 0, "logprobs": None, "finish_reason": None})]
+        return [self._envelope({"text": self.echo_text, "index": self.index, "logprobs": None,
+                                "finish_reason": None})]
 
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
         if not chunk.text and not chunk.probs:
             return None
-        return self._envelope({"text": chunk.text, "index": 0, "logprobs": self._logprobs(chunk.probs),
+        return self._envelope({"text": chunk.text, "index": self.index, "logprobs": self._logprobs(chunk.probs),
                                "finish_reason": None})
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
         text = self.echo_text + "".join(c.text for c in chunks)
-        out = self._envelope({"text": text, "index": 0, "logprobs": self._logprobs(probs),
+        out = self._envelope({"text": text, "index": self.index, "logprobs": self._logprobs(probs),
                               "finish_reason": FINISH_REASON[result.stop_type]})
-        return {**out, "usage": usage(result), "timings": result.timings()}
+        return {**out, "usage": usage([result], [self]), "timings": result.timings()}
 
 
 class ChatFormat(OpenAIFormat):
@@ -196,22 +249,23 @@ class ChatFormat(OpenAIFormat):
                             for p in probs]}
 
     def _empty_choice(self) -> dict[str, Any]:
-        return {"index": 0, "delta": {}, "logprobs": None}
+        return {"index": self.index, "delta": {}, "logprobs": None}
 
     def start(self) -> list[dict[str, Any]]:
         # content null, as llama-server: clients take "" for the start of the text
-        return [self._envelope({"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None,
+        return [self._envelope({"index": self.index, "delta": {"role": "assistant", "content": None}, "logprobs": None,
                                 "finish_reason": None})]
 
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
         if not chunk.text and not chunk.probs:
             return None
-        return self._envelope({"index": 0, "delta": {"content": chunk.text},
+        return self._envelope({"index": self.index, "delta": {"content": chunk.text},
                                "logprobs": self._logprobs(chunk.probs), "finish_reason": None})
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
         message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(probs),
+        choice = {"index": self.index, "message": message, "logprobs": self._logprobs(probs),
                   "finish_reason": FINISH_REASON[result.stop_type]}
-        return {**self._envelope(choice, "chat.completion"), "usage": usage(result), "timings": result.timings()}
+        return {**self._envelope(choice, "chat.completion"), "usage": usage([result], [self]),
+                "timings": result.timings()}

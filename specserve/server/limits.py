@@ -9,13 +9,14 @@ request over the queue limit is refused before it is parsed or tokenized.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.engine.tasks import TaskHandle
+from specserve.errors import SpecserveError
 from specserve.server.errors import Unavailable, error_response
 
 
@@ -78,27 +79,31 @@ class Ticket:
     """One admitted generation request, from admission until its response is complete."""
 
     admission: Admission
-    handle: TaskHandle | None = None  # set once submitted to the scheduler
+    handles: list[TaskHandle] = field(default_factory=list)  # its tasks, once submitted to the scheduler
     queue: asyncio.Queue[Any] | None = None  # where its events arrive
     interrupted: str | None = None  # why the server ended it before it was submitted
+    weight: int = 1  # tasks it holds (a batch of prompts, n choices): what the queue limit counts
+
+    def cancel(self) -> None:
+        """Stop its tasks that still run (a no-op for finished ones)."""
+        for handle in self.handles:
+            handle.cancel()
 
     def interrupt(self, message: str) -> None:
         """End the request now: its response says why (an error event for streams)."""
         self.interrupted = message
-        if self.handle is not None:
-            self.handle.cancel()
+        self.cancel()
         if self.queue is not None:
             self.queue.put_nowait(Interrupted(message))
 
     def release(self) -> None:
-        """The response is complete or abandoned: stop the task if it still runs (a no-op once finished)."""
-        if self.handle is not None:
-            self.handle.cancel()
+        """The response is complete or abandoned: stop its tasks if they still run."""
+        self.cancel()
         self.admission.active.discard(self)
 
 
 class Admission:
-    """Counts generation requests in the server (tokenizing, queued or running); lives on the event loop."""
+    """Counts generation tasks in the server (tokenizing, queued or running); lives on the event loop."""
 
     def __init__(self, n_slots: int, max_queue: int):
         self.n_slots = n_slots
@@ -106,15 +111,34 @@ class Admission:
         self.active: set[Ticket] = set()
         self.draining = False  # shutting down: admit nothing more
 
+    @property
+    def limit(self) -> int:
+        return self.n_slots + self.max_queue
+
+    def _load(self) -> int:
+        return sum(t.weight for t in self.active)
+
+    def _busy(self) -> Unavailable:
+        return Unavailable(f"the server is busy: {self.n_slots} slots taken and {self.max_queue} requests "
+                           "waiting (--max-queue); retry later")
+
     def admit(self) -> Ticket:
         if self.draining:
             raise Unavailable(SHUTTING_DOWN)
-        if len(self.active) >= self.n_slots + self.max_queue:
-            raise Unavailable(f"the server is busy: {self.n_slots} slots taken and {self.max_queue} requests "
-                              "waiting (--max-queue); retry later")
+        if self._load() >= self.limit:
+            raise self._busy()
         ticket = Ticket(self)
         self.active.add(ticket)
         return ticket
+
+    def widen(self, ticket: Ticket, n_tasks: int) -> None:
+        """The request turned out to hold n_tasks tasks: count them all (checked before any is queued)."""
+        if n_tasks > self.limit:  # could never be admitted: the request's fault, not the server's load
+            raise SpecserveError(f"a request may hold at most {self.limit} tasks (prompts x choices; the slots "
+                                 f"plus --max-queue), this one holds {n_tasks}")
+        if self._load() - ticket.weight + n_tasks > self.limit:
+            raise self._busy()
+        ticket.weight = n_tasks
 
     def interrupt_all(self, message: str) -> int:
         tickets = list(self.active)

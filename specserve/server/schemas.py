@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
+from specserve.server.prompts import LogitBiasInput, PromptInput, PromptPart
 
 SPEC_FIELDS = {  # request key -> SpecParams field
     "speculative.type": "type",
@@ -94,6 +95,8 @@ class GenerationFields(_Strict):
     grammar: str | None = None  # llama.cpp GBNF
     json_schema: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # llama-server's [[token id or text, bias or false], ...] or OpenAI's {"token id": bias} (server/prompts.py)
+    logit_bias: LogitBiasInput | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -155,18 +158,35 @@ class GenerationFields(_Strict):
         return out
 
 
-Prompt = str | list[int] | list[str]
+MAX_CHOICES = 128  # n, as OpenAI's limit
 
 
 class CompletionRequest(GenerationFields):
-    """llama-server's native POST /completion."""
+    """llama-server's native POST /completion (a batch of prompts gives a list of results)."""
 
-    prompt: Prompt
+    prompt: PromptInput
     n_predict: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=-1)  # llama-server accepts it as n_predict's alias
     stream: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
     return_tokens: bool = False
+    response_fields: list[str] | None = None  # only these fields of each result ("a/b": b inside a)
+
+
+class ExtraChunk(_Strict):
+    """One file of /infill's input_extra: context put before the prefix."""
+
+    text: str
+    filename: str = "tmp"
+
+
+class InfillRequest(CompletionRequest):
+    """llama-server's POST /infill: fill in between input_prefix and input_suffix (FIM models)."""
+
+    prompt: str = ""  # type: ignore[assignment]  # (text that follows the prefix; one string here)
+    input_prefix: str | list[PromptPart]
+    input_suffix: str | list[PromptPart]
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
 
 
 class StreamOptions(_Strict):
@@ -176,22 +196,15 @@ class StreamOptions(_Strict):
 class OpenAICommon(GenerationFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own task
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n = 1 is supported (one choice per request)")
-        return value
 
 
 class OpenAICompletionRequest(OpenAICommon):
     """POST /v1/completions."""
 
-    prompt: Prompt
+    prompt: PromptInput
     logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
     echo: bool = False
     suffix: None = None  # fill-in-the-middle is not supported
@@ -252,6 +265,32 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
 
 class ApplyTemplateRequest(ChatTemplateFields):
     """POST /apply-template."""
+
+
+class EmbeddingRequest(_Strict):
+    """POST /embedding (llama-server: `content` or `input`) and /v1/embeddings (OpenAI: `input`)."""
+
+    input: PromptInput | None = None
+    content: PromptInput | None = None
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    # llama-server's: -1 none, 0 max absolute (int16 range), 1 taxicab, 2 euclidean (the default), p > 2 p-norm
+    embd_normalize: int = Field(2, ge=-1, le=100)
+
+    @model_validator(mode="after")
+    def _has_input(self) -> EmbeddingRequest:
+        if self.input is None and self.content is None:
+            raise ValueError('"input" or "content" must be provided')
+        return self
+
+    def texts(self) -> PromptInput:
+        return self.input if self.input is not None else self.content  # type: ignore[return-value]
+
+
+class SlotFileRequest(_Strict):
+    """POST /slots/{id}?action=save|restore: a file name in --slot-save-path (no directories)."""
+
+    filename: str = Field(min_length=1, max_length=255)
 
 
 class TokenizeRequest(_Strict):

@@ -1,14 +1,15 @@
-"""From a submitted Task to an HTTP response: collected JSON or server-sent events.
+"""From submitted Tasks (one per prompt and choice) to an HTTP response: collected JSON or server-sent events.
 
 The scheduler thread emits events into the request's asyncio queue; a client that hangs up
-cancels its task. Every response holds its admission ticket until it is complete.
+cancels its tasks. Every response holds its admission ticket until it is complete.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -27,6 +28,20 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass
+class Job:
+    """What a generation route built: its tasks (one per prompt and choice), a format for each, and how it
+    answers."""
+
+    tasks: list[Task]
+    formats: list[Format]
+    stream: bool
+
+    def __post_init__(self) -> None:
+        for i, fmt in enumerate(self.formats):
+            fmt.place(i, self.formats[0])
+
+
 class ClientGone(Exception):
     pass
 
@@ -34,17 +49,19 @@ class ClientGone(Exception):
 _DISCONNECTED = object()
 
 
-def _subscribe(engine: Engine, task: Task, ticket: Ticket) -> asyncio.Queue[Any]:
+def _subscribe(engine: Engine, job: Job, ticket: Ticket) -> asyncio.Queue[Any]:
+    """Submit every task; their events arrive in one queue as (task index, event)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
+    def emitter(i: int) -> Callable[[Event], None]:
+        return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (i, event))
 
     if ticket.interrupted:  # ended while it was being tokenized
         raise Unavailable(ticket.interrupted)
     ticket.queue = queue
-    ticket.handle = engine.scheduler.submit(task, emit)
+    for i, task in enumerate(job.tasks):
+        ticket.handles.append(engine.scheduler.submit(task, emitter(i)))
     return queue
 
 
@@ -53,51 +70,74 @@ async def _watch_disconnect(request: Request, ticket: Ticket) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            assert ticket.handle is not None and ticket.queue is not None
-            ticket.handle.cancel()
+            assert ticket.queue is not None
+            ticket.cancel()
             ticket.queue.put_nowait(_DISCONNECTED)
             return
 
 
-async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket) -> tuple[list[Chunk], Result]:
+def _note(request: Request, results: list[Result]) -> None:
+    """The request log's line counts every task's tokens."""
+    first = results[0]
+    note_result(request.scope, replace(first, n_prompt=sum(r.n_prompt for r in results),
+                                       n_cached=sum(r.n_cached for r in results),
+                                       n_predicted=sum(r.n_predicted for r in results)))
+
+
+async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket,
+                   n: int) -> tuple[list[list[Chunk]], list[Result]]:
     watcher = asyncio.create_task(_watch_disconnect(request, ticket))
     try:
-        chunks: list[Chunk] = []
-        while True:
-            event = await queue.get()
+        chunks: list[list[Chunk]] = [[] for _ in range(n)]
+        results: dict[int, Result] = {}
+        while len(results) < n:
+            item = await queue.get()
+            i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
-                chunks.append(event)
+                chunks[i].append(event)
             elif isinstance(event, Result):
-                note_result(request.scope, event)
-                return chunks, event
+                results[i] = event
             elif isinstance(event, Failure):
                 raise RuntimeError(event.message)
             elif isinstance(event, Interrupted):
                 raise Unavailable(event.message)
             else:
                 raise ClientGone()
+        ordered = [results[i] for i in range(n)]
+        _note(request, ordered)
+        return chunks, ordered
     finally:
         watcher.cancel()
 
 
-async def _events(request: Request, queue: asyncio.Queue[Any], fmt: Format) -> AsyncIterator[str]:
-    for obj in fmt.start():
-        yield sse(obj)
-    while True:
-        event = await queue.get()
+async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> AsyncIterator[str]:
+    formats = job.formats
+    for fmt in formats:
+        for obj in fmt.start():
+            yield sse(obj)
+    results: dict[int, Result] = {}
+    failed = False
+    while len(results) < len(formats):
+        item = await queue.get()
+        i, event = item if isinstance(item, tuple) else (-1, item)
         if isinstance(event, Chunk):
-            obj = fmt.chunk(event)
+            obj = formats[i].chunk(event)
             if obj is not None:
                 yield sse(obj)
         elif isinstance(event, Result):
-            note_result(request.scope, event)
-            for obj in fmt.final(event):
+            results[i] = event
+            for obj in formats[i].final(event):
                 yield sse(obj)
-            break
         else:  # Failure, or the server ending the stream
             yield sse(error_body(503 if isinstance(event, Interrupted) else 500, event.message))
+            failed = True
             break
-    if fmt.done_marker:
+    if not failed:
+        ordered = [results[i] for i in range(len(formats))]
+        _note(request, ordered)
+        for obj in formats[0].tail(ordered, formats):
+            yield sse(obj)
+    if formats[0].done_marker:
         yield "data: [DONE]\n\n"
 
 
@@ -116,15 +156,14 @@ class TicketStream(StreamingResponse):
             self.ticket.release()
 
 
-async def respond(request: Request, engine: Engine, task: Task, fmt: Format, stream: bool,
-                  ticket: Ticket) -> Response:
-    """Submit task and answer; the ticket is released (and the task cancelled, if it still runs) when
+async def respond(request: Request, engine: Engine, job: Job, ticket: Ticket) -> Response:
+    """Submit the job's tasks and answer; the ticket is released (and tasks still running cancelled) when
     the answer is complete or abandoned, e.g. when Starlette cancels a stream whose client went away."""
-    queue = _subscribe(engine, task, ticket)
-    if stream:
-        return TicketStream(_events(request, queue, fmt), ticket)
+    queue = _subscribe(engine, job, ticket)
+    if job.stream:
+        return TicketStream(_events(request, queue, job), ticket)
     try:
-        chunks, result = await _collect(request, queue, ticket)
+        chunks, results = await _collect(request, queue, ticket, len(job.tasks))
     except ClientGone:
         return Response(status_code=499)
     except Unavailable as exc:
@@ -133,4 +172,6 @@ async def respond(request: Request, engine: Engine, task: Task, fmt: Format, str
         return error_response(500, str(exc))
     finally:
         ticket.release()
-    return JSONResponse(fmt.body(chunks, result))
+    formats = job.formats
+    bodies = [fmt.body(c, r) for fmt, c, r in zip(formats, chunks, results, strict=True)]
+    return JSONResponse(formats[0].combine(bodies, results, formats))

@@ -1,0 +1,79 @@
+"""What a generation route does in a worker thread: parse the body, render the template, tokenize, and
+build the Job: one task per prompt and choice, each with the format of its part of the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specserve.engine.tasks import Task
+from specserve.server.engine import Engine
+from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
+from specserve.server.infill import infill_prompt
+from specserve.server.prompts import split_prompts
+from specserve.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    InfillRequest,
+    OpenAICompletionRequest,
+    parse_body,
+)
+from specserve.server.streaming import Job
+
+Builder = Callable[[Engine, bytes], Job]
+
+
+def _job(tasks: list[Task], make: Callable[[int, Task], Format], stream: bool, n_choices: int = 1) -> Job:
+    """Job over tasks made prompt-major, n_choices per prompt; make(i, task) gives task i's format."""
+    formats = []
+    for i, task in enumerate(tasks):
+        fmt = make(i, task)
+        fmt.counts_prompt = i % n_choices == 0  # usage counts each prompt once
+        formats.append(fmt)
+    return Job(tasks, formats, stream)
+
+
+def _native(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> Job:
+    n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
+    tasks = engine.make_tasks(req, prompts, n_predict, req.n_probs)
+    return _job(tasks, lambda _, t: NativeFormat(engine, t, req.return_tokens, req.response_fields), req.stream)
+
+
+def build_completion(engine: Engine, body: bytes) -> Job:
+    req = parse_body(CompletionRequest, body)
+    return _native(engine, req, engine.tokenize_prompts(req.prompt))
+
+
+def build_infill(engine: Engine, body: bytes) -> Job:
+    req = parse_body(InfillRequest, body)
+    n_predict = next((n for n in (req.n_predict, req.max_tokens) if n is not None), engine.settings.n_predict)
+    prompt = infill_prompt(engine.encoder, req, engine.settings.n_batch, engine.n_ctx, n_predict)
+    return _native(engine, req, [prompt])
+
+
+def build_v1_completion(engine: Engine, body: bytes) -> Job:
+    req = parse_body(OpenAICompletionRequest, body)
+    engine.check_model(req.model)
+    prompts = engine.tokenize_prompts(req.prompt)
+    tasks = engine.make_tasks(req, prompts, req.max_tokens, req.logprobs or 0, req.n)
+    given = split_prompts(req.prompt)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def make(i: int, task: Task) -> Format:
+        echo = ""
+        if req.echo:
+            text = given[i // req.n]
+            echo = text if isinstance(text, str) else engine.tokenizer.decode(task.prompt)
+        return CompletionFormat(engine, task, echo, include_usage)
+
+    return _job(tasks, make, req.stream, req.n)
+
+
+def build_chat(engine: Engine, body: bytes) -> Job:
+    req = parse_body(ChatRequest, body)
+    engine.check_model(req.model)
+    prompt = engine.chat_prompt(req, req.parse_special)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    n_probs = (req.top_logprobs or 1) if req.logprobs else 0
+    tasks = engine.make_tasks(req, [prompt], max_tokens, n_probs, req.n)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return _job(tasks, lambda _, t: ChatFormat(engine, t, include_usage, req.top_logprobs or 0), req.stream, req.n)
