@@ -10,7 +10,7 @@ from specserve.errors import SpecserveError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-               503: "unavailable_error"}
+               501: "not_supported_error", 503: "unavailable_error"}
 
 
 def error_body(status: int, message: str, **extra: Any) -> dict[str, Any]:

@@ -40,9 +40,10 @@ def _error(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(ErrorBody)}}}
 
 
-def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False) -> dict[str, Any]:
+def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False,
+              not_supported: bool = False) -> dict[str, Any]:
     """openapi_extra for a route: the body it parses, its 200 answer (JSON, SSE if it streams, or text)
-    and the errors any route may answer."""
+    and the errors any route may answer; not_supported: a 501 when a flag turned the endpoint off."""
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if stream:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
@@ -54,6 +55,8 @@ def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text
         "413": _error("request body larger than --max-body-bytes"),
         "503": _error("loading the model, queue full (--max-queue) or shutting down; see Retry-After"),
     }}
+    if not_supported:
+        out["responses"]["501"] = _error("endpoint turned off by a server flag (e.g. --no-slots)")
     if body is not None:
         if body not in _models:
             _models.append(body)

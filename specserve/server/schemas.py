@@ -176,6 +176,7 @@ class StreamOptions(_Strict):
 class OpenAICommon(GenerationFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
+    n_predict: int | None = Field(None, ge=-1)  # llama-server's own name; wins over max_tokens, as there
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
