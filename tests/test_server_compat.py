@@ -104,8 +104,8 @@ def test_metrics_header_cached_tokens_and_spec_decode(client: TestClient) -> Non
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    assert again["timings"]["cache_n"] > 0 and delta("llamacpp:prompt_tokens_cached_total") == again["timings"]["cache_n"]
     t = again["timings"]
+    assert t["cache_n"] > 0 and delta("llamacpp:prompt_tokens_cached_total") == t["cache_n"]
     assert t["draft_n"] > 0
     assert delta("llamacpp:spec_decode_num_draft_tokens_total") == t["draft_n"]
     assert delta("llamacpp:spec_decode_num_accepted_tokens_total") == t["draft_n_accepted"]

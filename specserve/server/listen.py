@@ -33,6 +33,7 @@ def _bind_unix(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        sock.listen()  # as create_server's TCP sockets: connections queue from now on
     except OSError:
         sock.close()
         raise
@@ -54,7 +55,8 @@ def bind(hosts: list[str], port: int) -> list[socket.socket]:
             for s in sockets:
                 s.close()
             where = host if host.endswith(".sock") else f"{host} port {port}"
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            errno = exc.errno if isinstance(exc, OSError) else None
+            reason = os.strerror(errno) if errno and errno > 0 else str(exc)  # (create_server adds the address)
             raise SpecserveError(f"cannot listen on {where}: {reason}") from None
     return sockets
 
