@@ -295,7 +295,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "build_info": f"specserve {__version__}",
         })
 
-    @app.get("/slots", openapi_extra=operation(not_supported=True))
+    @app.get("/slots", openapi_extra=operation(array=True, not_supported=True))
     async def slots() -> Response:
         if not state.settings.endpoint_slots:  # --no-slots: llama-server's answer
             return error_response(501, "This server does not support slots endpoint. Start it with `--slots`")

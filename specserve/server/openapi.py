@@ -41,10 +41,12 @@ def _error(description: str) -> dict[str, Any]:
 
 
 def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False,
-              not_supported: bool = False) -> dict[str, Any]:
-    """openapi_extra for a route: the body it parses, its 200 answer (JSON, SSE if it streams, or text)
-    and the errors any route may answer; not_supported: a 501 when a flag turned the endpoint off."""
-    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+              array: bool = False, not_supported: bool = False) -> dict[str, Any]:
+    """openapi_extra for a route: the body it parses, its 200 answer (a JSON object, or array; SSE if it
+    streams, or text) and the errors any route may answer; not_supported: a 501 when a flag turned the
+    endpoint off."""
+    answer = {"type": "array", "items": {"type": "object"}} if array else {"type": "object"}
+    ok: dict[str, Any] = {"application/json": {"schema": answer}}
     if stream:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
     if text:
