@@ -18,15 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from specserve.errors import SpecserveError
-from specserve.server.schemas import (
-    ApplyTemplateRequest,
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    OpenAICompletionRequest,
-    TokenizeRequest,
-    parse_body,
-)
+from specserve.server import schemas
 from tests import app_engine
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -88,14 +80,14 @@ def test_schemathesis_every_operation_long(api_schema: Any) -> None:
 # ---- hypothesis over the request models (no model needed) ---------------------------------------------
 
 VALID: dict[type[BaseModel], dict[str, Any]] = {
-    CompletionRequest: {"prompt": "Hi", "n_predict": 4, "temperature": 0.5, "stop": ["x"],
+    schemas.CompletionRequest: {"prompt": "Hi", "n_predict": 4, "temperature": 0.5, "stop": ["x"],
                         "speculative.n_max": 4, "grammar": "root ::= \"a\""},
-    OpenAICompletionRequest: {"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 2, "echo": True},
-    ChatRequest: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2,
+    schemas.OpenAICompletionRequest: {"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 2, "echo": True},
+    schemas.ChatRequest: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2,
                   "response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
-    ApplyTemplateRequest: {"messages": [{"role": "system", "content": [{"type": "text", "text": "x"}]}]},
-    TokenizeRequest: {"content": "Hello", "with_pieces": True},
-    DetokenizeRequest: {"tokens": [1, 2]},
+    schemas.ApplyTemplateRequest: {"messages": [{"role": "system", "content": [{"type": "text", "text": "x"}]}]},
+    schemas.TokenizeRequest: {"content": "Hello", "with_pieces": True},
+    schemas.DetokenizeRequest: {"tokens": [1, 2]},
 }
 
 json_values = st.recursive(
@@ -122,7 +114,7 @@ def mutated(draw: st.DrawFn) -> tuple[type[BaseModel], dict[str, Any]]:
 
 def _parses_or_400(model: type[BaseModel], raw: bytes) -> None:
     try:
-        parse_body(model, raw)
+        schemas.parse_body(model, raw)
     except SpecserveError as exc:
         assert str(exc)  # a message for the 400
     # anything else (TypeError, ValueError, RecursionError, ...) fails the test: it would be a 500

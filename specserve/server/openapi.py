@@ -32,6 +32,12 @@ class ErrorBody(BaseModel):
 _models: list[type[BaseModel]] = [ErrorBody]
 
 
+# One server-sent event of a stream (as OpenAPI 3.2's itemSchema for text/event-stream, which fuzzers apply
+# to each event): `data` holds a JSON chunk, or `[DONE]` at the end of an OpenAI stream.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                               "id": {"type": "string"}}}
+
+
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
@@ -48,7 +54,7 @@ def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text
     answer = {"type": "array", "items": {"type": "object"}} if array else {"type": "object"}
     ok: dict[str, Any] = {"application/json": {"schema": answer}}
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": _SSE_EVENT}
     if text:
         ok = {"text/plain": {"schema": {"type": "string"}}}
     out: dict[str, Any] = {"responses": {
