@@ -66,6 +66,22 @@ def test_k_quant_types(typed_file, qtype: Q) -> None:
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected)))
 
 
+def test_without_mmap_the_tensors_are_read_into_memory(typed_file) -> None:
+    """--no-mmap: the same tensors, held in process memory (not views of the file's map), and each loaded
+    tensor has its own storage (the weights must not alias the file's bytes)."""
+    path, _, _ = typed_file
+    mapped, read = GGUFFile(path), GGUFFile(path, mmap=False)
+    for qtype in [*ROUND_TRIP, *RAW_ONLY]:
+        name = f"t.{qtype.name}"
+        assert isinstance(mapped._tensor(name).data.base, np.memmap) or isinstance(mapped._tensor(name).data,
+                                                                                   np.memmap)
+        data = read._tensor(name).data
+        assert not isinstance(data, np.memmap) and not isinstance(data.base, np.memmap)
+        got = read.load_tensor(name, torch.float32)
+        assert torch.equal(got, mapped.load_tensor(name, torch.float32)), name
+        assert not np.may_share_memory(got.numpy(), data)
+
+
 def test_compute_dtype_conversion(typed_file) -> None:
     path, values, _ = typed_file
     got = GGUFFile(path).load_tensor("t.Q8_0", torch.bfloat16)

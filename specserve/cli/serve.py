@@ -6,14 +6,25 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
+from specserve.cli.serve_flags import add_llama_server_flags, llama_server_settings, parse_env_bool
 from specserve.errors import SpecserveError
 
+if TYPE_CHECKING:
+    from specserve.server.engine import ServerSettings
+
 # llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
-_ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH"}
+_ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
+                  "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
+                  "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS"}
+_NO_ENV = {"spec_replace"}  # two values a use: no env var, as in llama-server
 
 
 def env_name(action: argparse.Action) -> str | None:
+    # A flag's negation (--no-mmap) shares its dest and env var with the flag (serve_flags._pair).
+    if action.dest in _NO_ENV or isinstance(action, argparse._StoreFalseAction):
+        return None
     if action.dest in _ENV_OVERRIDES:
         return _ENV_OVERRIDES[action.dest]
     longs = [o for o in action.option_strings if o.startswith("--")]
@@ -26,7 +37,8 @@ def _apply_env(parser: argparse.ArgumentParser) -> None:
     """Every flag reads its env var; a flag on the command line wins.
 
     argparse converts a string default with the flag's `type`, so a bad env value is
-    reported like a bad flag value.
+    reported like a bad flag value; a boolean flag's value is read here, and a bad one is
+    reported by cmd_serve (`env_error`), in one line like any other error.
     """
     for action in parser._actions:
         name = env_name(action)
@@ -34,7 +46,14 @@ def _apply_env(parser: argparse.ArgumentParser) -> None:
             continue
         action.help = f"{action.help or ''} [env: {name}]".strip()
         value = os.environ.get(name)
-        if value is not None and value != "":
+        if value is None or value == "":
+            continue
+        if action.nargs == 0:  # store_true: true/false, 1/0, on/off, enabled/disabled
+            try:
+                parser.set_defaults(**{action.dest: parse_env_bool(name, value)})
+            except SpecserveError as exc:
+                parser.set_defaults(env_error=str(exc))
+        else:
             parser.set_defaults(**{action.dest: value})
 
 
@@ -61,10 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "tokens/s (the default); always: draft whenever a request's speculator can")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate per request (-1 = until end or full context)")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="addresses to listen on, comma-separated, or a UNIX socket path ending in .sock "
+                        "(default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or X-Api-Key)")
-    g.add_argument("-a", "--alias", default=None, help="model name shown by the API (default: the model name)")
+    g.add_argument("-a", "--alias", default=None,
+                   help="model names the API accepts, comma-separated; the first is shown (default: the model's)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 8 MiB)")
     g.add_argument("--max-queue", type=int, default=256,
@@ -84,34 +106,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
                    help="accepted for llama-server's command lines: the embedding endpoints are always served")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    add_llama_server_flags(g)
     add_sampling_args(p)
     add_spec_args(p)
     _apply_env(p)
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from the parsed flags, checked (SpecserveError: one line, nothing loaded)."""
     from specserve.cli.args import (
         remote_from_args,
         sampling_params_from_args,
         spec_params_from_args,
         tensor_parallel_from_args,
     )
-    from specserve.server.app import create_app
     from specserve.server.engine import ServerSettings, check_settings
-    from specserve.server.lifecycle import GracefulServer
 
+    if getattr(args, "env_error", None):
+        raise SpecserveError(args.env_error)
     if not 0 <= args.port <= 65535:
         raise SpecserveError(f"--port {args.port} is not a TCP port")
     if not args.shutdown_grace >= 0:
         raise SpecserveError(f"--shutdown-grace must be a number of seconds (0 or more), got {args.shutdown_grace}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SpecserveError(f"-t/--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise SpecserveError(f"-t/--threads must be at least 1, got {args.threads}")
     settings = ServerSettings(
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
@@ -122,15 +141,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
         slot_save_path=args.slot_save_path, pooling=args.pooling,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
+        **llama_server_settings(args),
     )
     check_settings(settings)
     settings.slot_ctx()
     static = settings.spec.lookup_cache_static
     if static is not None and not os.path.isfile(static):
         raise SpecserveError(f"static lookup cache not found: {static}")
+    return settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from specserve.server import listen
+    from specserve.server.app import create_app
+    from specserve.server.lifecycle import GracefulServer
+
+    settings = server_settings(args)
+    hosts = listen.parse_hosts(args.host)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("specserve").setLevel(logging.INFO)
+    sockets = listen.bind(hosts, args.port)  # now: a bad address is an error before the model loads
     failures: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -140,12 +176,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, args.api_key, on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = GracefulServer(config, app.state.server.admission, args.shutdown_grace)
-    print(f"specserve: starting on http://{args.host}:{args.port} — loading "
+    print(f"specserve: starting on {', '.join(listen.urls(hosts, args.port))} — loading "
           f"{args.model or 'the default model'} (GET /health says 503 until ready)", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=sockets)
     if failures:
         raise SpecserveError(f"could not load the model: {failures[0]}")
     return 0

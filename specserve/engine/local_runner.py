@@ -73,11 +73,13 @@ class LocalRunner:
         progress: bool = True,
         cuda_graphs: bool = True,
         weight_format: str = "auto",
+        mmap: bool = True,
     ):
         """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": packed on a CPU with the packed-weight
         kernel, else "float": every matrix
-        in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA)."""
-        gguf = GGUFFile(model_path)
+        in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA).
+        mmap=False reads the file's tensors into memory first (llama-server's --no-mmap)."""
+        gguf = GGUFFile(model_path, mmap=mmap)
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         dev = checked_device(device)
         dt = dtype or default_dtype(dev)

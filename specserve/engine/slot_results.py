@@ -84,6 +84,7 @@ class SlotResults:
         slot.t_prompt_done = time.perf_counter()
         with self._cond:
             self.counters.prompt_tokens += len(task.prompt) - slot.n_cached
+            self.counters.prompt_tokens_cached += slot.n_cached
             self.counters.prompt_seconds += slot.t_prompt_done - slot.t_start
         slot.state = SlotState.GENERATING
         if task.n_predict == 0:
@@ -109,9 +110,10 @@ class SlotResults:
             # own statistics and /metrics count it; it saves no step, so tokens = steps + accepted - right guesses.
             verified = len(out) - 1 if e.guess is None or guessed else 0
             slot.chain.accept(verified + int(guessed))
-            slot.draft_n += len(e.draft) + int(e.guess is not None)
-            slot.draft_accepted += verified + int(guessed)
-            self._count_drafts(slot)
+            drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
+            slot.draft_n += drafted
+            slot.draft_accepted += accepted
+            self._count_drafts(slot, drafted, accepted)
         slot.n_steps += 1
         slot.cache.append(first)
         slot.cache.extend(out[:-1])
@@ -120,11 +122,14 @@ class SlotResults:
         slot.last = out[-1]
         self._emit_tokens(slot, out, rows)
 
-    def _count_drafts(self, slot: Slot) -> None:
-        """Move the chain members' new draft counts into the per-type counters."""
+    def _count_drafts(self, slot: Slot, drafted: int, accepted: int) -> None:
+        """Count one verified draft, and move the chain members' new draft counts into the per-type counters."""
         assert slot.chain is not None
         with self._cond:
             c = self.counters
+            c.spec_drafts += 1
+            c.spec_draft_tokens += drafted
+            c.spec_accepted += accepted
             for m in slot.chain.members:
                 gen0, acc0 = slot.spec_seen.get(m.name, (0, 0))
                 gen, acc = m.stats.gen_tokens, m.stats.acc_tokens

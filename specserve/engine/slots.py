@@ -63,13 +63,14 @@ class Slot:
         return task.n_probs == 0 and task.constraint is None and task.logit_bias is None
 
     def to_json(self, n_ctx: int) -> dict[str, object]:
-        """The slot as llama-server's /slots shows it."""
+        """The slot as llama-server's /slots shows it: `next_token` a list of one object, and `params` only
+        while a task runs (llama-server's never-used slots have none; ours forget a finished task's)."""
         handle = self.handle
         task = handle.task if handle is not None else None
         n_remain = -1
         if task is not None and task.n_predict >= 0:
             n_remain = max(task.n_predict - self.n_decoded, 0)
-        return {
+        out: dict[str, object] = {
             "id": self.id,
             "id_task": task.id if task is not None else -1,
             "n_ctx": n_ctx,
@@ -77,14 +78,16 @@ class Slot:
             "is_processing": handle is not None,
             "speculative": handle is not None and self.use_chain,
             "n_cached_tokens": len(self.cache),
-            "params": task.params_json() if task is not None else {},
-            "next_token": {
+            "next_token": [{
                 "has_next_token": handle is not None,
                 "n_remain": n_remain,
                 "n_decoded": self.n_decoded if handle is not None else 0,
                 "n_prompt_tokens_processed": self.n_past - self.n_cached if handle is not None else 0,
-            },
+            }],
         }
+        if task is not None:
+            out["params"] = task.params_json()
+        return out
 
 
 @dataclass
@@ -103,6 +106,10 @@ class SchedulerCounters:
     kv_capacity: int = 0  # positions all slots together can hold
     requests_done: int = 0
     requests_failed: int = 0
+    prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache (not in prompt_tokens)
+    spec_drafts: int = 0  # verify steps that carried a draft (llama-server's spec_decode_num_drafts)
+    spec_draft_tokens: int = 0  # draft tokens verified, a guess at the token in flight included
+    spec_accepted: int = 0  # of those, accepted
     turns_drafting: int = 0  # turns with two or more generating slots that were allowed to draft
     turns_plain: int = 0  # such turns that the draft gate kept from drafting
     draft_generated: dict[str, int] = field(default_factory=dict)  # speculator name -> tokens

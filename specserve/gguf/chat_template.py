@@ -89,6 +89,11 @@ def _compile(template: str) -> jinja2.Template:
         raise SpecserveError(f"chat template cannot be compiled: {exc}") from None
 
 
+def check_template(template: str) -> None:
+    """Compile template; SpecserveError naming the problem if it is not valid Jinja."""
+    _compile(template)
+
+
 def render_chat(
     template: str,
     messages: list[dict],

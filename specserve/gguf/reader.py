@@ -1,6 +1,7 @@
 """Open a GGUF file through the `gguf` package, with clear errors for bad files.
 
-Tensors stay memory-mapped until `load_tensor` dequantizes one to torch.
+Tensors stay memory-mapped until `load_tensor` dequantizes one to torch (or, with mmap=False, are read
+into memory when the file is opened).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def _field_value(field: Any) -> Any:
 class GGUFFile:
     """Metadata as a dict and lazily dequantized tensors of one GGUF file."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, mmap: bool = True):
+        """mmap=False: every tensor's bytes are read into process memory now (one pass over the file), so
+        loading never pages the file in later (llama-server's --no-mmap)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise SpecserveError(f"model file not found: {self.path}")
@@ -66,6 +69,8 @@ class GGUFFile:
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > file_size:
                 raise SpecserveError(f"{self.path} is truncated: tensor {t.name} runs past the end of the file")
+        if not mmap:
+            self._tensors = {name: t._replace(data=np.array(t.data)) for name, t in self._tensors.items()}
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
@@ -103,8 +108,8 @@ class GGUFFile:
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
         array = np.ascontiguousarray(array)
-        if not array.flags.writeable:  # memory-mapped input: torch wants its own copy
-            array = array.copy()
+        if not array.flags.writeable or np.may_share_memory(array, data):  # the file's bytes (mapped, or read
+            array = array.copy()  # in with mmap=False): the tensor gets its own copy
         tensor = torch.from_numpy(array).reshape(shape)
         return tensor.to(device=device, dtype=dtype)
 

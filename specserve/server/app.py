@@ -32,6 +32,7 @@ from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
 from specserve.server.openapi import operation
+from specserve.server.params import llama_params
 from specserve.server.request_log import RequestLogMiddleware
 from specserve.server.schemas import (
     ApplyTemplateRequest,
@@ -269,7 +270,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine = eng()
         tok = engine.tokenizer
         return JSONResponse({
-            "default_generation_settings": {"n_ctx": engine.n_ctx, "params": engine.default_params()},
+            "default_generation_settings": {"n_ctx": engine.n_ctx,
+                                            "params": llama_params(engine.default_params(), False)},
             "total_slots": engine.runner.n_seqs,
             "model_alias": engine.model_name,
             "model_path": str(engine.model_path),
@@ -281,9 +283,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "build_info": f"specserve {__version__}",
         })
 
-    @app.get("/slots", openapi_extra=operation())
+    @app.get("/slots", openapi_extra=operation(array=True, not_supported=True))
     async def slots() -> Response:
-        return JSONResponse(eng().scheduler.slots_json())
+        if not state.settings.endpoint_slots:  # --no-slots: llama-server's answer
+            return error_response(501, "This server does not support slots endpoint. Start it with `--slots`")
+        out = eng().scheduler.slots_json()
+        for slot in out:
+            if "params" in slot:
+                slot["params"] = llama_params(slot["params"])  # type: ignore[arg-type]
+        return JSONResponse(out)
 
     @app.get("/models", openapi_extra=operation())
     @app.get("/v1/models", openapi_extra=operation())
@@ -295,11 +303,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         meta = {"vocab_type": 2, "n_vocab": cfg.vocab_size, "n_ctx_train": cfg.context_length,
                 "n_embd": cfg.hidden, "size": engine.runner.file_bytes}
         return JSONResponse({"object": "list", "data": [
-            {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "specserve",
-             "meta": meta}]})
+            {"id": engine.model_name, "aliases": engine.aliases, "tags": state.settings.tags, "object": "model",
+             "created": engine.created, "owned_by": "specserve", "meta": meta}]})
 
     registry = metrics.make_registry(lambda: state.engine.scheduler.counters_snapshot() if state.engine else None)
 
     @app.get("/metrics", openapi_extra=operation(text=True))
     async def get_metrics() -> Response:
-        return Response(metrics.render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(registry), media_type="text/plain; version=0.0.4; charset=utf-8",
+                        headers={"Process-Start-Time-Unix": str(metrics.PROCESS_START)})

@@ -35,7 +35,8 @@ def _job(tasks: list[Task], make: Callable[[int, Task], Format], stream: bool, n
 def _native(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> Job:
     n_predict = req.n_predict if req.n_predict is not None else req.max_tokens
     tasks = engine.make_tasks(req, prompts, n_predict, req.n_probs)
-    return _job(tasks, lambda _, t: NativeFormat(engine, t, req.return_tokens, req.response_fields), req.stream)
+    return _job(tasks, lambda _, t: NativeFormat(engine, t, req.return_tokens, req.response_fields, req.stream),
+                req.stream)
 
 
 def build_completion(engine: Engine, body: bytes) -> Job:
@@ -54,7 +55,8 @@ def build_v1_completion(engine: Engine, body: bytes) -> Job:
     req = parse_body(OpenAICompletionRequest, body)
     engine.check_model(req.model)
     prompts = engine.tokenize_prompts(req.prompt)
-    tasks = engine.make_tasks(req, prompts, req.max_tokens, req.logprobs or 0, req.n)
+    n_predict = req.n_predict if req.n_predict is not None else req.max_tokens  # llama-server's name wins
+    tasks = engine.make_tasks(req, prompts, n_predict, req.logprobs or 0, req.n)
     given = split_prompts(req.prompt)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -72,7 +74,7 @@ def build_chat(engine: Engine, body: bytes) -> Job:
     req = parse_body(ChatRequest, body)
     engine.check_model(req.model)
     prompt = engine.chat_prompt(req, req.parse_special)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = next((n for n in (req.n_predict, req.max_completion_tokens, req.max_tokens) if n is not None), None)
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
     tasks = engine.make_tasks(req, [prompt], max_tokens, n_probs, req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -51,7 +51,11 @@ class ServerSettings:
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
     remote: RemoteOptions | None = None  # run the model on a remote host
     tensor_parallel: int = 1  # ranks the model is split over (engine/tp_runner.py)
-    alias: str | None = None
+    alias: str | None = None  # names the API shows and accepts, comma-separated (the first is shown)
+    tags: list[str] = field(default_factory=list)  # informational, shown by /v1/models (llama-server's --tags)
+    chat_template: str | None = None  # Jinja text replacing the GGUF's template (--chat-template[-file])
+    mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
+    endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
     cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
@@ -125,13 +129,14 @@ class Engine:
         self.n_ctx = runner.n_ctx
         self.pooling = settings.pooling or _gguf_pooling(runner)
         self.created = int(time.time())
-        name = settings.alias or settings.model or catalog.DEFAULT_MODEL
+        self.aliases = [a.strip() for a in (settings.alias or "").split(",") if a.strip()]
+        name = self.aliases[0] if self.aliases else settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
-        # What a request's `model` may say: the name shown, the alias, the catalog name or path given,
+        # What a request's `model` may say: the name shown, every alias, the catalog name or path given,
         # and the file's name with or without .gguf.
         given = settings.model or catalog.DEFAULT_MODEL
         self.model_names = {self.model_name, given, Path(given).name, Path(given).stem, model_path.name,
-                            model_path.stem} | ({settings.alias} if settings.alias else set())
+                            model_path.stem, *self.aliases}
 
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
@@ -141,13 +146,16 @@ class Engine:
                                                      n_seqs=settings.n_parallel, n_ctx=n_ctx,
                                                device=settings.device, progress=progress,
                                                weight_format=settings.weight_format,
-                                               tensor_parallel=settings.tensor_parallel)
+                                               tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
         runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))
         if draft_runner is not None:
             draft_runner.warmup(max_rows=1)  # the draft model decodes one token per forward
-        engine = cls(settings, path, runner, draft_runner, Tokenizer.from_gguf(runner.gguf))
+        tokenizer = Tokenizer.from_gguf(runner.gguf)
+        if settings.chat_template is not None:
+            tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders
+        engine = cls(settings, path, runner, draft_runner, tokenizer)
         engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
         engine.scheduler.start()
         return engine
@@ -178,8 +186,13 @@ class Engine:
             raise SpecserveError(f"chat_template_kwargs must not set {', '.join(sorted(reserved))}")
         if tools is not None:
             extra["tools"] = tools
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
-                                   **extra)
+        # Assistant prefill, as llama-server: a last assistant message is the start of the answer, so what
+        # comes before it is rendered with the generation prompt and its text follows unchanged.
+        prefill, add_generation_prompt = "", req.add_generation_prompt
+        if messages and messages[-1].get("role") == "assistant":
+            prefill, messages, add_generation_prompt = messages[-1].get("content") or "", messages[:-1], True
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                   **extra) + prefill
 
     def render_chat(self, req: ChatTemplateFields) -> str:
         return self._render(req, req.template_messages(), req.tools)

@@ -15,6 +15,7 @@ from typing import Any
 
 from specserve.engine.tasks import Chunk, Result, Task, TokenProb
 from specserve.server.engine import Engine
+from specserve.server.params import llama_params
 
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 
@@ -83,10 +84,12 @@ class NativeFormat(Format):
     """llama-server POST /completion."""
 
     def __init__(self, engine: Engine, task: Task, return_tokens: bool = False,
-                 response_fields: list[str] | None = None):
+                 response_fields: list[str] | None = None, stream: bool = False):
         super().__init__(engine, task)
         self.return_tokens = return_tokens
         self.response_fields = response_fields or []
+        self.stream = stream
+        self._n_decoded = 0  # tokens streamed so far (each chunk's tokens_predicted, as llama-server's)
 
     def _probs(self, probs: list[TokenProb]) -> list[dict[str, Any]]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -95,10 +98,12 @@ class NativeFormat(Format):
         return [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]} for p in probs]
 
     def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
-        if not chunk.text and not self.return_tokens and not chunk.probs:
+        # Streamed chunks carry their token ids whatever return_tokens says, as llama-server's do.
+        self._n_decoded += len(chunk.tokens)
+        if not chunk.text and not chunk.tokens and not chunk.probs:
             return None
-        out: dict[str, Any] = {"index": self.index, "content": chunk.text,
-                               "tokens": chunk.tokens if self.return_tokens else [], "stop": False}
+        out: dict[str, Any] = {"index": self.index, "content": chunk.text, "tokens": chunk.tokens, "stop": False,
+                               "tokens_predicted": self._n_decoded, "tokens_evaluated": len(self.task.prompt)}
         if chunk.probs:
             out["completion_probabilities"] = self._probs(chunk.probs)
         return out
@@ -107,7 +112,8 @@ class NativeFormat(Format):
         return {
             "index": self.index, "id_slot": result.slot, "stop": True, "model": self.engine.model_name,
             "tokens_predicted": result.n_predicted, "tokens_evaluated": result.n_prompt,
-            "generation_settings": self.task.params_json(), "truncated": self._truncated(result),
+            "generation_settings": llama_params(self.task.params_json(), self.stream),
+            "truncated": self._truncated(result),
             "stop_type": result.stop_type if result.stop_type != "cancelled" else "none",
             "stopping_word": result.stopping_word, "tokens_cached": result.n_prompt + result.n_predicted,
             "timings": result.timings(),

@@ -6,6 +6,7 @@ of any Prometheus dependency and every scrape consistent with one counters snaps
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -15,6 +16,9 @@ from prometheus_client.registry import Collector
 from specserve.engine.scheduler import SchedulerCounters
 
 PREFIX = "llamacpp:"
+# Sent as llama-server's Process-Start-Time-Unix header (and as a gauge): a scraper that sees it change
+# knows the counters restarted from zero. (Taken when the server code is imported, at start-up.)
+PROCESS_START = int(time.time())
 
 
 class SchedulerCollector(Collector):
@@ -32,7 +36,9 @@ class SchedulerCollector(Collector):
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + name, doc, value=value)
 
-        yield counter("prompt_tokens", "Number of prompt tokens processed.", c.prompt_tokens)
+        yield counter("prompt_tokens", "Number of prompt tokens processed, excluding cached tokens.", c.prompt_tokens)
+        yield counter("prompt_tokens_cached", "Number of prompt tokens reused from a slot's cache.",
+                      c.prompt_tokens_cached)
         yield counter("prompt_seconds", "Prompt process time.", c.prompt_seconds)
         yield counter("prompt_tokens_shared", "Prompt tokens copied from another slot's cache (a shared prefix) "
                       "instead of evaluated.", c.prompt_tokens_shared)
@@ -55,6 +61,12 @@ class SchedulerCollector(Collector):
         yield gauge("kv_cache_tokens", "KV cache positions in use (all slots).", c.kv_tokens)
         yield gauge("kv_cache_usage_ratio", "KV cache positions in use / all positions.",
                     c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
+        yield gauge("process_start_time_seconds", "Start time of the server process (Unix seconds).",
+                    PROCESS_START)
+        # llama-server's speculative series, over every speculative type (the per-type ones follow).
+        yield counter("spec_decode_num_drafts", "Verification steps that carried a draft.", c.spec_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified by the target.", c.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", c.spec_accepted)
         turns = CounterMetricFamily(PREFIX + "draft_gate_turns", "Turns with two or more generating slots, by "
                                     "whether the draft gate let them draft.", labels=["choice"])
         turns.add_metric(["draft"], c.turns_drafting)

@@ -32,6 +32,12 @@ class ErrorBody(BaseModel):
 _models: list[type[BaseModel]] = [ErrorBody]
 
 
+# One server-sent event of a stream (as OpenAPI 3.2's itemSchema for text/event-stream, which fuzzers apply
+# to each event): `data` holds a JSON chunk, or `[DONE]` at the end of an OpenAI stream.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                               "id": {"type": "string"}}}
+
+
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
@@ -40,12 +46,15 @@ def _error(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(ErrorBody)}}}
 
 
-def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False) -> dict[str, Any]:
-    """openapi_extra for a route: the body it parses, its 200 answer (JSON, SSE if it streams, or text)
-    and the errors any route may answer."""
-    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False,
+              array: bool = False, not_supported: bool = False) -> dict[str, Any]:
+    """openapi_extra for a route: the body it parses, its 200 answer (a JSON object, or array; SSE if it
+    streams, or text) and the errors any route may answer; not_supported: a 501 when a flag turned the
+    endpoint off."""
+    answer = {"type": "array", "items": {"type": "object"}} if array else {"type": "object"}
+    ok: dict[str, Any] = {"application/json": {"schema": answer}}
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": _SSE_EVENT}
     if text:
         ok = {"text/plain": {"schema": {"type": "string"}}}
     out: dict[str, Any] = {"responses": {
@@ -54,6 +63,8 @@ def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text
         "413": _error("request body larger than --max-body-bytes"),
         "503": _error("loading the model, queue full (--max-queue) or shutting down; see Retry-After"),
     }}
+    if not_supported:
+        out["responses"]["501"] = _error("endpoint turned off by a server flag (e.g. --no-slots)")
     if body is not None:
         if body not in _models:
             _models.append(body)

@@ -196,6 +196,7 @@ class StreamOptions(_Strict):
 class OpenAICommon(GenerationFields):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
+    n_predict: int | None = Field(None, ge=-1)  # llama-server's own name; wins over max_tokens, as there
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own task
     stream: bool = False
     stream_options: StreamOptions | None = None

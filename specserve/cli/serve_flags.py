@@ -1,0 +1,65 @@
+"""llama-server's serve flags beyond the model, sampling and limits ones: how the GGUF is read, the KV
+layout, chat templates, which endpoints exist, model names and tags. What each means here, where it differs
+from llama-server, is in docs/compatibility.md ("Server flags")."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from specserve.errors import SpecserveError
+from specserve.gguf.template_names import BUILTIN_TEMPLATES, resolve_chat_template
+
+log = logging.getLogger(__name__)
+
+# Environment values llama-server takes for a boolean flag.
+_TRUE, _FALSE = {"1", "true", "on", "enabled"}, {"0", "false", "off", "disabled"}
+
+
+def parse_env_bool(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in _TRUE | _FALSE:
+        return low in _TRUE
+    raise SpecserveError(f"{name}={value!r} is not a boolean (true/false, 1/0, on/off, enabled/disabled)")
+
+
+def _pair(g: argparse._ArgumentGroup, on: list[str], off: list[str], dest: str, default: bool, help: str) -> None:
+    """A flag and its negation on one dest, as llama-server's `--x, --no-x` (the env var goes with `on`)."""
+    g.add_argument(*on, dest=dest, action="store_true", default=default, help=help)
+    g.add_argument(*off, dest=dest, action="store_false", help=argparse.SUPPRESS)
+
+
+def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
+    _pair(g, ["--mmap"], ["--no-mmap"], "mmap", True,
+          "read the GGUF through a memory map (default); --no-mmap reads its tensors into memory first")
+    _pair(g, ["-dio", "--direct-io"], ["-ndio", "--no-direct-io"], "direct_io", False,
+          "accepted: reads the GGUF into memory as --no-mmap (no O_DIRECT here)")
+    _pair(g, ["-kvu", "--kv-unified"], ["-no-kvu", "--no-kv-unified"], "kv_unified", False,
+          "accepted: the KV cache is always one tensor, each slot with its own -c/-np positions")
+    _pair(g, ["--context-shift"], ["--no-context-shift"], "context_shift", False,
+          "not supported: a generation that fills its slot ends (stop_type limit); --no-context-shift is "
+          "the default")
+    _pair(g, ["--slots"], ["--no-slots"], "endpoint_slots", True, "GET /slots (default on; --no-slots: 501)")
+    g.add_argument("--metrics", dest="endpoint_metrics", action="store_true",
+                   help="accepted: /metrics is always on here")
+    _pair(g, ["--jinja"], ["--no-jinja"], "jinja", True, "accepted: chat templates are always Jinja here")
+    g.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help=f"chat template instead of the GGUF's: a name ({', '.join(BUILTIN_TEMPLATES)}) or Jinja text")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE", help="read the chat template from FILE")
+    g.add_argument("--spec-replace", nargs=2, action="append", default=[], metavar=("TARGET", "DRAFT"),
+                   help="accepted: no effect, as a draft model must share the target's vocabulary here")
+    g.add_argument("--tags", default=None, help="model tags, comma-separated (informational: /v1/models)")
+
+
+def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerSettings fields from these flags; SpecserveError for a value that cannot work."""
+    if args.context_shift:
+        raise SpecserveError("--context-shift is not supported: a generation that fills its slot's context ends "
+                             "(stop_type limit, truncated); give -n/n_predict or a larger -c instead")
+    if args.spec_replace:
+        log.warning("--spec-replace has no effect: the draft model must share the target's vocabulary, so no "
+                    "text is translated between them")
+    tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
+    return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots, "tags": tags,
+            "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file)}

@@ -1,0 +1,38 @@
+"""One in-process Engine (smollm2-135m on the CPU) shared by the tests that talk to the ASGI app directly.
+
+Loaded once per test process (the model takes seconds on the CPU): several apps can be built over it with
+different settings, and a starlette TestClient used without `with` runs no lifespan, so no app shuts it down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+from functools import cache
+
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from specserve.server.app import create_app
+from specserve.server.engine import Engine, ServerSettings
+
+SLOT_CTX = 256
+SETTINGS = ServerSettings(model="smollm2-135m", device="cpu", n_parallel=2, ctx_size=2 * SLOT_CTX, n_predict=4,
+                          alias="smollm2-135m,tiny", tags=["small", "test"])
+
+
+@cache
+def engine() -> Engine:
+    eng = Engine.load(SETTINGS, progress=False)
+    atexit.register(eng.shutdown)
+    return eng
+
+
+def app(**changes: object) -> FastAPI:
+    """An app over the shared engine; changes replace ServerSettings fields (e.g. endpoint_slots=False)."""
+    # (the engine keeps what it loaded with: names, context, defaults; the app reads the rest from these)
+    return create_app(dataclasses.replace(SETTINGS, **changes), engine=engine())
+
+
+def client(**changes: object) -> TestClient:
+    return TestClient(app(**changes))
