@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import tempfile
 from functools import cache
 
 from fastapi import FastAPI
@@ -18,7 +19,8 @@ from specserve.server.engine import Engine, ServerSettings
 
 SLOT_CTX = 256
 SETTINGS = ServerSettings(model="smollm2-135m", device="cpu", n_parallel=2, ctx_size=2 * SLOT_CTX, n_predict=4,
-                          alias="smollm2-135m,tiny", tags=["small", "test"])
+                          alias="smollm2-135m,tiny", tags=["small", "test"],
+                          slot_save_path=tempfile.mkdtemp(prefix="specserve-slots-"))  # slot actions served
 
 
 @cache

@@ -252,16 +252,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return await off_loop(request, render)
 
-    @app.post("/embedding", openapi_extra=operation(EmbeddingRequest))
-    @app.post("/embeddings", openapi_extra=operation(EmbeddingRequest))
+    @app.post("/embedding", openapi_extra=operation(EmbeddingRequest, not_supported=True))
+    @app.post("/embeddings", openapi_extra=operation(EmbeddingRequest, not_supported=True))
     async def embedding(request: Request) -> Response:
         return JSONResponse(await embeddings(eng(), state.admission, await request.body(), openai=False))
 
-    @app.post("/v1/embeddings", openapi_extra=operation(EmbeddingRequest))
+    @app.post("/v1/embeddings", openapi_extra=operation(EmbeddingRequest, not_supported=True))
     async def v1_embeddings(request: Request) -> Response:
         return JSONResponse(await embeddings(eng(), state.admission, await request.body(), openai=True))
 
-    @app.post("/slots/{id_slot}", openapi_extra=operation(SlotFileRequest))
+    @app.post("/slots/{id_slot}", openapi_extra=operation(SlotFileRequest, not_supported=True))
     async def slots_action(request: Request, id_slot: str, action: str = "") -> Response:
         return JSONResponse(await slot_action(eng(), id_slot, action, await request.body()))
 

@@ -64,7 +64,8 @@ def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text
         "503": _error("loading the model, queue full (--max-queue) or shutting down; see Retry-After"),
     }}
     if not_supported:
-        out["responses"]["501"] = _error("endpoint turned off by a server flag (e.g. --no-slots)")
+        out["responses"]["501"] = _error("not offered by this server as started (e.g. --no-slots, no "
+                                         "--slot-save-path, embeddings on a --remote runner)")
     if body is not None:
         if body not in _models:
             _models.append(body)
