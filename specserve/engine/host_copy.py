@@ -10,6 +10,7 @@ tensor (which waits for the whole device and copies through pageable memory).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class PinnedInputs:
         self.done.record()
 
 
+@dataclass
 class LaunchedStep:
     """A forward pass queued on the device: the logits of the rows that wanted them, and each such row's
     argmax (what greedy sampling reads), without waiting for anything else queued after it.
@@ -50,26 +52,24 @@ class LaunchedStep:
     argmax: a pinned numpy row the step's last node fills (then `done` says when), or a tensor (eager:
     read back on demand). rows: which entries of argmax are the wanted rows, in order (None: the first n)."""
 
-    def __init__(self, logits: torch.Tensor, argmax: np.ndarray | torch.Tensor, n: int,
-                 done: torch.cuda.Event | None = None, rows: Sequence[int] | None = None):
-        self._logits = logits
-        self._argmax = argmax
-        self._n = n
-        self._done = done
-        self._rows = rows
+    wanted_logits: torch.Tensor
+    argmax: np.ndarray | torch.Tensor
+    n: int
+    done: torch.cuda.Event | None = None
+    rows: Sequence[int] | None = None
 
     def wait(self) -> None:
-        if self._done is not None:
-            self._done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
 
     def tokens(self) -> list[int]:
         """Argmax of each wanted row's logits (waits for this step only)."""
         self.wait()
-        values = self._argmax
-        if self._rows is not None:
-            return [int(values[r]) for r in self._rows]
-        return values[: self._n].tolist()
+        values = self.argmax
+        if self.rows is not None:
+            return [int(values[r]) for r in self.rows]
+        return values[: self.n].tolist()
 
     def logits(self) -> torch.Tensor:
         """fp32 logits [wanted rows, vocab]: a graph's buffer, valid until the runner's launch after next."""
-        return self._logits
+        return self.wanted_logits

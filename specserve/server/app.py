@@ -31,6 +31,7 @@ from specserve.server.embeddings import embeddings
 from specserve.server.engine import Engine, ServerSettings
 from specserve.server.errors import RequestError, Unavailable, error_response
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
+from specserve.server.middleware import HttpMiddleware
 from specserve.server.openapi import operation
 from specserve.server.params import llama_params
 from specserve.server.request_log import RequestLogMiddleware
@@ -65,18 +66,15 @@ class ServerState:
     load_error: str | None = None
 
 
-class GateMiddleware:
+class GateMiddleware(HttpMiddleware):
     """API key check, 'still loading' and 'shutting down' answers, before any endpoint runs (streaming-safe
     pure ASGI)."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
-        self.app = app
+        super().__init__(app)
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         status, message = 0, ""
         if self.state.admission.draining:  # /health too: a load balancer stops sending here

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specserve.engine.tasks import TaskHandle
 from specserve.errors import SpecserveError
 from specserve.server.errors import Unavailable, error_response
+from specserve.server.middleware import HttpMiddleware
 
 
 def _too_large(max_bytes: int) -> str:
@@ -34,17 +35,14 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over max_bytes (pure ASGI, so streamed responses pass through untouched)."""
+class BodyLimitMiddleware(HttpMiddleware):
+    """413 for bodies over max_bytes."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             # Answer without reading: the server discards the rest of the body as it arrives.

@@ -11,9 +11,10 @@ import logging
 import time
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from specserve.engine.tasks import Result
+from specserve.server.middleware import HttpMiddleware
 
 log = logging.getLogger("specserve.server.requests")
 
@@ -33,14 +34,8 @@ def format_line(method: str, path: str, status: int, ms: float, result: Result |
     return f"{method} {path} {status}{tokens} {ms:.1f} ms"
 
 
-class RequestLogMiddleware:
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestLogMiddleware(HttpMiddleware):
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
         status = 0
 
