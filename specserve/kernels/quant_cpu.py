@@ -50,9 +50,10 @@ def available(x: torch.Tensor, w: QuantWeight) -> bool:
     """Whether x @ W^T runs here. The int8 kernel takes every row count: a row's result must not depend on the
     batch it is in (a prompt chunk or a decode step, alone or beside other requests), and its per-row rounding
     and accumulation make it the same in any. The exact kernel takes up to MAX_EXACT_ROWS; above that
-    dequantizing for torch's GEMM is faster (prefill) and exact too."""
+    dequantizing for torch's GEMM is faster (prefill) and exact too. A group's words must divide a chunk's 16
+    and be 2 or more (every group of 16 or 32: simd.h's tables hold 4 groups a vector on AVX2)."""
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
-            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and kernel_built()):
+            and w.bits in (4, 8) and w.group * w.bits // 32 in (2, 4, 8, 16) and kernel_built()):
         return False
     return x.numel() // x.shape[-1] <= MAX_EXACT_ROWS or kernel_for(w) == "int8"
 

@@ -86,12 +86,12 @@ typedef struct {
 
 // One vector (s) of a chunk of one weight row against ROWS activation rows: the integer dot products per lane,
 // scaled by scale * dx, into acc; min * (rounded activations' sum) into acc_min (a second chain: the adds do not
-// wait on each other). wv: the vector's words (zero past the row), sm: the chunk's groups' (scale, min) table.
-static inline __attribute__((always_inline)) void chunk(const job* a, int c, int s, vi wv, vtab sm, vi scale_idx,
+// wait on each other). wv: the vector's words (zero past the row), sm: its groups' (scale, min) table.
+static inline __attribute__((always_inline)) void chunk(const job* a, int c, int s, vi wv, vf sm, vi scale_idx,
                                                         vi min_idx, vf* acc, vf* acc_min, const int ROWS,
                                                         const int REGS) {
     const int64_t q_row = (int64_t)a->chunks * REGS * 64, f_row = (int64_t)a->chunks * 16;
-    const vf scale = tab_get(sm, scale_idx), mins = tab_get(sm, min_idx);
+    const vf scale = v_pick(sm, scale_idx), mins = v_pick(sm, min_idx);
     const vi nibble = vi_set1(0x0F0F0F0F);
     const vi lo = REGS == 2 ? vi_and(wv, nibble) : wv;
     const vi hi = REGS == 2 ? vi_and(vi_srli(wv, 4), nibble) : wv;
@@ -109,11 +109,8 @@ static inline __attribute__((always_inline)) void chunk(const job* a, int c, int
 static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, int r1, const int ROWS,
                                                           const int REGS) {
     const int wpg = a->words_per_group, groups_per_chunk = 16 / wpg, whole = a->words_per_row / 16;
-    int scale_lane[16], min_lane[16];
-    for (int l = 0; l < 16; ++l) {
-        scale_lane[l] = 2 * (l / wpg);
-        min_lane[l] = 2 * (l / wpg) + 1;
-    }
+    int scale_lane[16], min_lane[16], first[CHUNK_VECS];
+    sm_lanes(wpg, scale_lane, min_lane, first);
     vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
     for (int s = 0; s < CHUNK_VECS; ++s) {
         scale_idx[s] = vi_load(scale_lane + VL * s);
@@ -131,17 +128,16 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
             // thread's block), and its scales; decode streams the weights from memory once a token
             _mm_prefetch((const char*)(wr + 16 * c) + PREFETCH, _MM_HINT_T0);
             _mm_prefetch((const char*)(sr + 2 * groups_per_chunk * c) + PREFETCH / 4, _MM_HINT_T0);
-            const vtab sm = tab_halves(sr + 2 * groups_per_chunk * c, groups_per_chunk);
             for (int s = 0; s < CHUNK_VECS; ++s)
-                chunk(a, c, s, vi_load(wr + 16 * c + VL * s), sm, scale_idx[s], min_idx[s], acc[s], acc_min[s],
-                      ROWS, REGS);
+                chunk(a, c, s, vi_load(wr + 16 * c + VL * s),
+                      v_load_sm(sr + 2 * (groups_per_chunk * c + first[s]), groups_per_chunk - first[s]),
+                      scale_idx[s], min_idx[s], acc[s], acc_min[s], ROWS, REGS);
         }
-        if (left) {
-            const vtab sm = tab_halves(sr + 2 * groups_per_chunk * whole, groups_left);
+        if (left)
             for (int s = 0; s < CHUNK_VECS; ++s)
-                chunk(a, whole, s, vi_load_n(wr + 16 * whole + VL * s, left - VL * s), sm, scale_idx[s], min_idx[s],
-                      acc[s], acc_min[s], ROWS, REGS);
-        }
+                chunk(a, whole, s, vi_load_n(wr + 16 * whole + VL * s, left - VL * s),
+                      v_load_sm(sr + 2 * (groups_per_chunk * whole + first[s]), groups_left - first[s]),
+                      scale_idx[s], min_idx[s], acc[s], acc_min[s], ROWS, REGS);
         for (int m = 0; m < ROWS; ++m) {
             vf t = v_sub(acc[0][m], acc_min[0][m]);
             for (int s = 1; s < CHUNK_VECS; ++s) t = v_add(t, v_sub(acc[s][m], acc_min[s][m]));

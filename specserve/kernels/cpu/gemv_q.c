@@ -24,11 +24,8 @@ static void run_rows(void* p, int r0, int r1) {
     const int bits = a->bits, fields = 32 / bits, rows = a->rows, chunks = a->chunks;
     const int groups_per_chunk = 16 / a->words_per_group;
     const vi field_mask = vi_set1((1 << bits) - 1);
-    int scale_lane[16], min_lane[16];
-    for (int l = 0; l < 16; ++l) {
-        scale_lane[l] = 2 * (l / a->words_per_group);
-        min_lane[l] = 2 * (l / a->words_per_group) + 1;
-    }
+    int scale_lane[16], min_lane[16], first[CHUNK_VECS];
+    sm_lanes(a->words_per_group, scale_lane, min_lane, first);
     vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
     for (int s = 0; s < CHUNK_VECS; ++s) {
         scale_idx[s] = vi_load(scale_lane + VL * s);
@@ -43,11 +40,11 @@ static void run_rows(void* p, int r0, int r1) {
         for (int c = 0; c < chunks; ++c) {
             const int left = a->words_per_row - 16 * c;
             const int groups_left = a->groups_per_row - groups_per_chunk * c;
-            const vtab smv = tab_halves(sr + 2 * groups_per_chunk * c,
-                                        groups_left < groups_per_chunk ? groups_left : groups_per_chunk);
+            const int groups = groups_left < groups_per_chunk ? groups_left : groups_per_chunk;
             for (int s = 0; s < CHUNK_VECS; ++s) {
                 const vi wv = vi_load_n(wr + 16 * c + VL * s, left - VL * s);
-                const vf scale = tab_get(smv, scale_idx[s]), mins = tab_get(smv, min_idx[s]);
+                const vf smv = v_load_sm(sr + 2 * (groups_per_chunk * c + first[s]), groups - first[s]);
+                const vf scale = v_pick(smv, scale_idx[s]), mins = v_pick(smv, min_idx[s]);
                 vf u[8];
                 if (bits == 4) {
                     for (int i = 0; i < fields; ++i) u[i] = v_low4(vi_srlv(wv, vi_set1(4 * i)));

@@ -14,7 +14,6 @@
 typedef __m512 vf;
 typedef __m512i vi;
 typedef __mmask16 vmask;
-typedef __m512 vtab;  // 16 floats that a lane picks from by index
 #define VOP(op) _mm512_##op
 #define VSI(op) _mm512_##op##_si512
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -22,9 +21,6 @@ typedef __m512 vtab;  // 16 floats that a lane picks from by index
 typedef __m256 vf;
 typedef __m256i vi;
 typedef __m256i vmask;  // all ones in a lane that is in, zero elsewhere
-typedef struct {
-    __m256 lo, hi;
-} vtab;
 #define VOP(op) _mm256_##op
 #define VSI(op) _mm256_##op##_si256
 #else
@@ -182,25 +178,36 @@ static inline vf v_low4(vi a) {
 #endif
 }
 
-// The fp16 (scale, min) pairs of `groups` (<= 8) groups at p as a 16-float table, zero past them.
-static inline vtab tab_halves(const uint16_t* p, int groups) {
+// The table one vector's lanes pick their group's scale and min from: the fp16 (scale, min) pairs of the groups
+// at p as floats, `groups` of them (any more are not read), zero past them. It holds 8 groups on AVX-512 and 4 on
+// AVX2, so a vector's lanes span at most that many (2 words a group or more: groups of 16 or 32).
+static inline vf v_load_sm(const uint16_t* p, int groups) {
 #if VL == 16
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << (2 * groups)) - 1), p));
 #else
-    const __m256i h = _mm256_maskload_epi32((const int*)p, v_tail(groups));  // a pair is one 32-bit word
-    return (vtab){_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    const __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(groups), _mm_setr_epi32(0, 1, 2, 3));
+    // a (scale, min) pair is one 32-bit word
+    return _mm256_cvtph_ps(groups >= 4 ? _mm_loadu_si128((const __m128i*)p) : _mm_maskload_epi32((const int*)p, mask));
 #endif
 }
 
-// Entry idx & 15 of the table, lane by lane.
-static inline vf tab_get(vtab t, vi idx) {
+// Entry idx of the table, lane by lane (idx < 16 on AVX-512, < 8 on AVX2).
+static inline vf v_pick(vf t, vi idx) {
 #if VL == 16
     return _mm512_permutexvar_ps(idx, t);
 #else
-    // each permute reads the index's low 3 bits; bit 3, shifted to the sign, picks the half
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    return _mm256_permutevar8x32_ps(t, idx);
 #endif
+}
+
+// Where lane l of a chunk (16 words, words_per_group >= 2 a group) finds its group's scale and min in its
+// vector's table, which v_load_sm reads from the vector's first group, first[s]: entries scale_lane[l], min_lane[l].
+static inline void sm_lanes(int words_per_group, int* scale_lane, int* min_lane, int* first) {
+    for (int s = 0; s < CHUNK_VECS; ++s) first[s] = VL * s / words_per_group;
+    for (int l = 0; l < 16; ++l) {
+        scale_lane[l] = 2 * (l / words_per_group - first[l / VL]);
+        min_lane[l] = scale_lane[l] + 1;
+    }
 }
 
 // Per 32-bit lane: the 8 products of unsigned weight bytes (<= 15: 4-bit fields) and signed activation bytes,
