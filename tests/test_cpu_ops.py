@@ -12,7 +12,8 @@ import torch
 from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
 from specserve.kernels.cpu import build
 
-pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"), reason="needs AVX-512 and a C compiler")
+pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"),
+                                reason="needs a C compiler and AVX2 (+FMA, F16C) or AVX-512 VNNI")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context size per sequence (default: min(model, 4096))")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda when available)")
     p.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
-                   help="matrices in memory: auto = gguf on a CPU with AVX-512 and a C compiler, else float; "
+                   help="matrices in memory: auto = gguf on a CPU with AVX2 or AVX-512 and a C compiler, else float; "
                         "float = bf16 on CUDA, fp32 on CPU; gguf = the file's own quantization kept, 4/8-bit "
                         "(fewer bytes a token: faster decode, slower verify steps on CUDA); q8 = Q8_0-style 8-bit")
     p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",

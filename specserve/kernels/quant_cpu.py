@@ -3,18 +3,19 @@ matrix, by small C kernels (cpu/, built at first use by cpu/build.py). Decode re
 of 32.
 
 Two kernels, chosen here per product (callers never choose):
-- int8 (cpu/gemv_i8.c, AVX-512 VNNI): each activation row is rounded to int8 once per call, with one scale per
-  weight word's k (8 values for 4-bit fields, 4 for 8-bit), and multiplied as integers (vpdpbusd), as llama.cpp
-  does: the product of W with the rounded activations. Approximate: docs/architecture.md (CPU path) gives its
-  logit error and greedy agreement.
-- fp32 (cpu/gemv_q.c, AVX-512): exact integers times fp32 activations (relative error ~4e-7 against the
-  dequantized product). Taken where the CPU has no VNNI, or always with SPECSERVE_CPU_EXACT=1.
+- int8 (cpu/gemv_i8.c, the default): each activation row is rounded to int8 once per call, with one scale per
+  weight word's k (8 values for 4-bit fields, 4 for 8-bit), and multiplied as integers (vpdpbusd on AVX-512
+  VNNI, exact 16-bit multiply-adds on AVX2), as llama.cpp does: the product of W with the rounded activations.
+  Approximate: docs/architecture.md (CPU path) gives its logit error and greedy agreement.
+- fp32 (cpu/gemv_q.c): exact integers times fp32 activations (relative error ~4e-7 against the dequantized
+  product). Taken with SPECSERVE_CPU_EXACT=1.
+Both are built for AVX-512 VNNI or for AVX2 + FMA + F16C, whichever the CPU has (cpu/build.py).
 Rounding is discontinuous: a 1e-7 difference in an input can move a product by a rounding step, so the int8
 kernel takes every row count (prompt chunks too) and the ops around it compute each row on its own (cpu_ops):
 a row's result is then the same bit for bit in any batch, and greedy text does not depend on the batch or on
 speculation (spec/server.md).
-Where there is no compiler or no AVX-512, or SPECSERVE_CPU_KERNEL=0, `available()` says no and the product
-dequantizes instead (the reference).
+Where there is no compiler or neither instruction set, or SPECSERVE_CPU_KERNEL=0, `available()` says no and the
+product dequantizes instead (the reference).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ MAX_EXACT_ROWS = 64  # the most rows the exact kernel takes (the int8 one takes 
 
 
 def int8_built() -> bool:
-    """Whether this machine runs the int8 kernel (AVX-512 VNNI)."""
+    """Whether this machine runs the int8 kernel (wherever the library builds: AVX-512 VNNI or AVX2)."""
     return build.has("q_gemv_i8")
 
 
 def kernel_built() -> bool:
-    """Whether this machine runs the packed-weight kernels (AVX-512, a compiler; built now if they were not)."""
+    """Whether this machine runs the packed-weight kernels (AVX-512 VNNI or AVX2 + FMA + F16C, a compiler; built
+    now if they were not)."""
     return build.has("q_gemv")
 
 
@@ -48,9 +50,10 @@ def available(x: torch.Tensor, w: QuantWeight) -> bool:
     """Whether x @ W^T runs here. The int8 kernel takes every row count: a row's result must not depend on the
     batch it is in (a prompt chunk or a decode step, alone or beside other requests), and its per-row rounding
     and accumulation make it the same in any. The exact kernel takes up to MAX_EXACT_ROWS; above that
-    dequantizing for torch's GEMM is faster (prefill) and exact too."""
+    dequantizing for torch's GEMM is faster (prefill) and exact too. A group's words must divide a chunk's 16
+    and be 2 or more (every group of 16 or 32: simd.h's tables hold 4 groups a vector on AVX2)."""
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
-            and w.bits in (4, 8) and 16 % (w.group * w.bits // 32) == 0 and kernel_built()):
+            and w.bits in (4, 8) and w.group * w.bits // 32 in (2, 4, 8, 16) and kernel_built()):
         return False
     return x.numel() // x.shape[-1] <= MAX_EXACT_ROWS or kernel_for(w) == "int8"
 

@@ -1,9 +1,11 @@
 """The CPU kernels' one library: the C sources beside this module compiled at first use by the machine's C
 compiler into specserve's cache (once per sources and flags) and loaded with ctypes. One library, so one thread
-pool (pool.c) serves every kernel. What goes in depends on the CPU (/proc/cpuinfo): the int8 products
-(gemv_i8.c) only where AVX-512 VNNI is reported, so no machine is handed an instruction it lacks.
+pool (pool.c) serves every kernel. The kernels are written once against simd.h; the flags follow the CPU
+(/proc/cpuinfo), so no machine is handed an instruction it lacks: AVX-512 with VNNI where it is reported (16
+lanes, vpdpbusd), else AVX2 with FMA and F16C (8 lanes; most laptops, AMD before Zen 4). Either build holds every
+kernel.
 
-SPECSERVE_CPU_KERNEL=0, no AVX-512 or no compiler: `library()` is None and callers use torch.
+SPECSERVE_CPU_KERNEL=0, neither instruction set or no compiler: `library()` is None and callers use torch.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from specserve import catalog
 log = logging.getLogger(__name__)
 
 # -ffp-contract=off: plain C arithmetic rounds as torch's elementwise ops do (the kernels write their fmas out)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread",
-         "-shared", "-fPIC"]
-VNNI_FLAGS = [*FLAGS, "-mavx512vnni"]
-BASE_SOURCES = ("pool.c", "gemv_q.c", "ops.c")
-HEADERS = ("pool.h",)
-AVX512 = ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
+# (name, /proc/cpuinfo flags it needs, compiler flags), the first this CPU has wins
+BUILDS = (
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]),
+    ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+)
+SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c")
+HEADERS = ("pool.h", "simd.h")
 _lock = threading.Lock()
 
 
@@ -44,12 +49,10 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def has_avx512() -> bool:
-    return all(f in cpu_flags() for f in AVX512)
-
-
-def has_vnni() -> bool:
-    return has_avx512() and "avx512_vnni" in cpu_flags()
+def builds() -> list[tuple[str, list[str]]]:
+    """The builds this CPU runs, best first: (name, compiler flags)."""
+    return [(name, [*COMMON_FLAGS, *flags]) for name, needs, flags in BUILDS
+            if all(f in cpu_flags() for f in needs)]
 
 
 def _compile(sources: tuple[str, ...], flags: list[str]) -> ctypes.CDLL | None:
@@ -97,13 +100,15 @@ def _declare(lib: ctypes.CDLL) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernels this machine runs (built now if they were not); None where torch must serve."""
-    if os.environ.get("SPECSERVE_CPU_KERNEL", "1") == "0" or not has_avx512():
+    if os.environ.get("SPECSERVE_CPU_KERNEL", "1") == "0":
         return None
-    lib = _compile((*BASE_SOURCES, "gemv_i8.c"), VNNI_FLAGS) if has_vnni() else None
-    lib = lib or _compile(BASE_SOURCES, FLAGS)  # a compiler without VNNI: the rest still builds
-    if lib is not None:
-        _declare(lib)
-    return lib
+    for name, flags in builds():  # a compiler that lacks the best target's flags builds the next
+        lib = _compile(SOURCES, flags)
+        if lib is not None:
+            log.debug("CPU kernels: the %s build", name)
+            _declare(lib)
+            return lib
+    return None
 
 
 def has(name: str) -> bool:

@@ -1,11 +1,13 @@
 // x @ W^T for bit-packed group-quantized W (QuantWeight: W = scale * u - min per group), 4- or 8-bit fields,
-// 1..16 rows of x, with the activations rounded to int8 and multiplied by AVX-512 VNNI (vpdpbusd: unsigned
-// weight bytes times signed activation bytes, four products added into each 32-bit lane).
+// 1..16 rows of x, with the activations rounded to int8 and multiplied as integers: unsigned weight bytes times
+// signed activation bytes, four products added into each 32-bit lane (simd.h's dot_nibbles and dot_bytes:
+// vpdpbusd on AVX-512 VNNI, exact 16-bit multiply-adds on AVX2).
 //
 // Layout. Sixteen words of a weight row (a chunk) are loaded at once. For 8-bit fields a word is already four
 // unsigned bytes; for 4-bit fields `w & 0x0F0F0F0F` holds fields 0, 2, 4, 6 of each word as bytes and
 // `(w >> 4) & 0x0F0F0F0F` fields 1, 3, 5, 7. The activations are put in the same byte order once per call, so
-// one vpdpbusd (8-bit) or two (4-bit) give each lane the integer dot product of its word with its activations.
+// one dot product (8-bit) or a pair (4-bit) give each lane the integer dot product of its word with its
+// activations. A chunk is one AVX-512 vector or two AVX2 ones.
 //
 // Scales. All k of a word lie in one weight group, and each word's k get one activation scale dx (their
 // largest |x| / 127), so a lane's integer sum needs one factor, scale * dx, when it becomes fp32. The min term
@@ -13,11 +15,11 @@
 // whose error is W's size: with exact sums the error of the scale * u term would stand alone, and u * scale
 // is larger than W (by the whole min; Q8_0's u carry an offset of 128). Output rows are shared out over
 // `threads` threads (pool.h). The caller splits more rows.
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "pool.h"
+#include "simd.h"
 
 #define PREFETCH 2048  // bytes ahead in a weight row's stream
 
@@ -39,36 +41,36 @@ static void* scratch(size_t bytes) {
 // activations (xs = dx * sum of q).
 static void quantize_row(const float* x, const int32_t* perm, int chunks, int fields, int8_t* xq, float* dx,
                          float* xs) {
-    const __m512 one = _mm512_set1_ps(1.0f), q_max = _mm512_set1_ps(127.0f);
-    const __m512i byte = _mm512_set1_epi32(0xFF);
+    const vf one = v_set1(1.0f), q_max = v_set1(127.0f);
+    const vi byte = vi_set1(0xFF);
     const int regs = fields / 4;
     for (int c = 0; c < chunks; ++c) {
-        __m512 v[8];
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < fields; ++i) {
-            const __m512i idx = _mm512_loadu_si512(perm + ((int64_t)c * fields + i) * 16);
-            const __mmask16 inside = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
-            v[i] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), inside, idx, x, 4);
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-        }
-        const __m512 d = _mm512_div_ps(amax, q_max);
-        // 1 / d as a true division (no reciprocal estimate), so the rounding is what a reference computes
-        const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ), one, d);
-        _mm512_storeu_ps(dx + (int64_t)c * 16, d);
-        __m512i q_sum = _mm512_setzero_si512();
-        for (int r = 0; r < regs; ++r) {
-            __m512i packed = _mm512_setzero_si512();
-            for (int b = 0; b < 4; ++b) {
-                const int field = regs == 2 ? 2 * b + r : b;  // which field byte b of this register holds
-                // round to nearest even (the default MXCSR mode), |q| <= 127 since |v| <= amax
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[field], inv));
-                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-                q_sum = _mm512_add_epi32(q_sum, q);
-                packed = _mm512_or_si512(packed, _mm512_slli_epi32(_mm512_and_si512(q, byte), 8 * b));
+        for (int lane = 0; lane < 16; lane += VL) {  // each lane is rounded on its own
+            vf v[8];
+            vf amax = v_zero();
+            for (int i = 0; i < fields; ++i) {
+                v[i] = v_gather(x, vi_load(perm + ((int64_t)c * fields + i) * 16 + lane));
+                amax = v_max(amax, v_abs(v[i]));
             }
-            _mm512_storeu_si512(xq + ((int64_t)c * regs + r) * 64, packed);
+            const vf d = v_div(amax, q_max);
+            // 1 / d as a true division (no reciprocal estimate), so the rounding is what a reference computes
+            const vf inv = v_maskz_div(v_cmp(d, v_zero(), _CMP_GT_OQ), one, d);
+            v_store(dx + (int64_t)c * 16 + lane, d);
+            vi q_sum = vi_zero();
+            for (int r = 0; r < regs; ++r) {
+                vi packed = vi_zero();
+                for (int b = 0; b < 4; ++b) {
+                    const int field = regs == 2 ? 2 * b + r : b;  // which field byte b of this register holds
+                    // round to nearest even (the default MXCSR mode), |q| <= 127 since |v| <= amax
+                    vi q = vi_from_float(v_mul(v[field], inv));
+                    q = vi_max(vi_min(q, vi_set1(127)), vi_set1(-127));
+                    q_sum = vi_add(q_sum, q);
+                    packed = vi_or(packed, vi_slli(vi_and(q, byte), 8 * b));
+                }
+                vi_store(xq + ((int64_t)c * regs + r) * 64 + 4 * lane, packed);
+            }
+            v_store(xs + (int64_t)c * 16 + lane, v_mul(v_from_int(q_sum), d));
         }
-        _mm512_storeu_ps(xs + (int64_t)c * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q_sum), d));
     }
 }
 
@@ -82,25 +84,23 @@ typedef struct {
     int rows, n, words_per_row, groups_per_row, regs, words_per_group, chunks;
 } job;
 
-// One chunk of one weight row against ROWS activation rows: the integer dot products per lane, scaled by
-// scale * dx, into acc; min * (rounded activations' sum) into acc_min (a second chain: the adds do not wait on
-// each other). wv: the chunk's words (zero past the row), h: its groups' (scale, min) halves (zero past the row).
-static inline __attribute__((always_inline)) void chunk(const job* a, int c, __m512i wv, __m256i h,
-                                                        __m512i scale_idx, __m512i min_idx, __m512* acc,
-                                                        __m512* acc_min, const int ROWS, const int REGS) {
+// One vector (s) of a chunk of one weight row against ROWS activation rows: the integer dot products per lane,
+// scaled by scale * dx, into acc; min * (rounded activations' sum) into acc_min (a second chain: the adds do not
+// wait on each other). wv: the vector's words (zero past the row), sm: its groups' (scale, min) table.
+static inline __attribute__((always_inline)) void chunk(const job* a, int c, int s, vi wv, vf sm, vi scale_idx,
+                                                        vi min_idx, vf* acc, vf* acc_min, const int ROWS,
+                                                        const int REGS) {
     const int64_t q_row = (int64_t)a->chunks * REGS * 64, f_row = (int64_t)a->chunks * 16;
-    const __m512 smv = _mm512_cvtph_ps(h);
-    const __m512 scale = _mm512_permutexvar_ps(scale_idx, smv), mins = _mm512_permutexvar_ps(min_idx, smv);
-    const __m512i nibble = _mm512_set1_epi32(0x0F0F0F0F);
-    const __m512i lo = REGS == 2 ? _mm512_and_si512(wv, nibble) : wv;
-    const __m512i hi = REGS == 2 ? _mm512_and_si512(_mm512_srli_epi32(wv, 4), nibble) : wv;
+    const vf scale = v_pick(sm, scale_idx), mins = v_pick(sm, min_idx);
+    const vi nibble = vi_set1(0x0F0F0F0F);
+    const vi lo = REGS == 2 ? vi_and(wv, nibble) : wv;
+    const vi hi = REGS == 2 ? vi_and(vi_srli(wv, 4), nibble) : wv;
     for (int m = 0; m < ROWS; ++m) {
-        const int8_t* q = a->xq + m * q_row + (int64_t)c * REGS * 64;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-        if (REGS == 2) dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(q + 64));
-        const int64_t f = m * f_row + (int64_t)c * 16;
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_loadu_ps(a->dx + f)), acc[m]);
-        acc_min[m] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a->xs + f), acc_min[m]);
+        const int8_t* q = a->xq + m * q_row + (int64_t)c * REGS * 64 + 4 * VL * s;
+        const vi dot = REGS == 2 ? dot_nibbles(lo, vi_load(q), hi, vi_load(q + 64)) : dot_bytes(lo, vi_load(q));
+        const int64_t f = m * f_row + (int64_t)c * 16 + VL * s;
+        acc[m] = v_fmadd(v_from_int(dot), v_mul(scale, v_load(a->dx + f)), acc[m]);
+        acc_min[m] = v_fmadd(mins, v_load(a->xs + f), acc_min[m]);
     }
 }
 
@@ -109,18 +109,18 @@ static inline __attribute__((always_inline)) void chunk(const job* a, int c, __m
 static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, int r1, const int ROWS,
                                                           const int REGS) {
     const int wpg = a->words_per_group, groups_per_chunk = 16 / wpg, whole = a->words_per_row / 16;
-    int scale_lane[16], min_lane[16];
-    for (int l = 0; l < 16; ++l) {
-        scale_lane[l] = 2 * (l / wpg);
-        min_lane[l] = 2 * (l / wpg) + 1;
+    int scale_lane[16], min_lane[16], first[CHUNK_VECS];
+    sm_lanes(wpg, scale_lane, min_lane, first);
+    vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
+    for (int s = 0; s < CHUNK_VECS; ++s) {
+        scale_idx[s] = vi_load(scale_lane + VL * s);
+        min_idx[s] = vi_load(min_lane + VL * s);
     }
-    const __m512i scale_idx = _mm512_loadu_si512(scale_lane), min_idx = _mm512_loadu_si512(min_lane);
-    const __mmask16 h_whole = (__mmask16)((1u << (2 * groups_per_chunk)) - 1);
     const int left = a->words_per_row - 16 * whole, groups_left = a->groups_per_row - groups_per_chunk * whole;
-    const __mmask16 w_tail = (__mmask16)((1u << left) - 1), h_tail = (__mmask16)((1u << (2 * groups_left)) - 1);
     for (int r = r0; r < r1; ++r) {
-        __m512 acc[ROWS], acc_min[ROWS];
-        for (int m = 0; m < ROWS; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps();
+        vf acc[CHUNK_VECS][ROWS], acc_min[CHUNK_VECS][ROWS];
+        for (int s = 0; s < CHUNK_VECS; ++s)
+            for (int m = 0; m < ROWS; ++m) acc[s][m] = acc_min[s][m] = v_zero();
         const int32_t* wr = a->words + (int64_t)r * a->words_per_row;
         const uint16_t* sr = a->sm + (int64_t)r * a->groups_per_row * 2;
         for (int c = 0; c < whole; ++c) {
@@ -128,15 +128,21 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
             // thread's block), and its scales; decode streams the weights from memory once a token
             _mm_prefetch((const char*)(wr + 16 * c) + PREFETCH, _MM_HINT_T0);
             _mm_prefetch((const char*)(sr + 2 * groups_per_chunk * c) + PREFETCH / 4, _MM_HINT_T0);
-            const __m256i h = _mm256_maskz_loadu_epi16(h_whole, sr + 2 * groups_per_chunk * c);
-            chunk(a, c, _mm512_loadu_si512(wr + 16 * c), h, scale_idx, min_idx, acc, acc_min, ROWS, REGS);
+            for (int s = 0; s < CHUNK_VECS; ++s)
+                chunk(a, c, s, vi_load(wr + 16 * c + VL * s),
+                      v_load_sm(sr + 2 * (groups_per_chunk * c + first[s]), groups_per_chunk - first[s]),
+                      scale_idx[s], min_idx[s], acc[s], acc_min[s], ROWS, REGS);
         }
         if (left)
-            chunk(a, whole, _mm512_maskz_loadu_epi32(w_tail, wr + 16 * whole),
-                  _mm256_maskz_loadu_epi16(h_tail, sr + 2 * groups_per_chunk * whole), scale_idx, min_idx, acc,
-                  acc_min, ROWS, REGS);
-        for (int m = 0; m < ROWS; ++m)
-            a->out[(int64_t)m * a->n + r] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], acc_min[m]));
+            for (int s = 0; s < CHUNK_VECS; ++s)
+                chunk(a, whole, s, vi_load_n(wr + 16 * whole + VL * s, left - VL * s),
+                      v_load_sm(sr + 2 * (groups_per_chunk * whole + first[s]), groups_left - first[s]),
+                      scale_idx[s], min_idx[s], acc[s], acc_min[s], ROWS, REGS);
+        for (int m = 0; m < ROWS; ++m) {
+            vf t = v_sub(acc[0][m], acc_min[0][m]);
+            for (int s = 1; s < CHUNK_VECS; ++s) t = v_add(t, v_sub(acc[s][m], acc_min[s][m]));
+            a->out[(int64_t)m * a->n + r] = v_reduce_add(t);
+        }
     }
 }
 

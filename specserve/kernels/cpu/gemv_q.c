@@ -1,13 +1,14 @@
-// x @ W^T for bit-packed group-quantized W (QuantWeight: W = scale * u - min per group), 1..16 rows of x,
-// on AVX-512. Sixteen words of a row are loaded at once; bit field i of those words holds, lane by lane, one
-// u each, and the activations are first put in the same order (xp: [rows, chunks, fields, 16], zero past K),
-// so a field costs a shift, an and, a convert and one fma per row. Each lane's sum is scaled by its group's
-// scale and its activations' sum (xs: [rows, chunks, 16]) by the group's min; the lanes are added at the end.
-// Output rows are shared out over `threads` threads (pool.h). The caller splits more rows.
-#include <immintrin.h>
+// x @ W^T for bit-packed group-quantized W (QuantWeight: W = scale * u - min per group), 1..16 rows of x.
+// Sixteen words of a row (a chunk) are loaded at once; bit field i of those words holds, lane by lane, one u
+// each, and the activations are first put in the same order (xp: [rows, chunks, fields, 16], zero past K), so a
+// field costs a shift, an and, a convert and one fma per row. Each lane's sum is scaled by its group's scale and
+// its activations' sum (xs: [rows, chunks, 16]) by the group's min; the lanes are added at the end. Vector
+// operations from simd.h (a chunk is one AVX-512 vector or two AVX2 ones). Output rows are shared out over
+// `threads` threads (pool.h). The caller splits more rows.
 #include <stdint.h>
 
 #include "pool.h"
+#include "simd.h"
 
 typedef struct {
     const int32_t* words;
@@ -22,54 +23,55 @@ static void run_rows(void* p, int r0, int r1) {
     const job* a = (const job*)p;
     const int bits = a->bits, fields = 32 / bits, rows = a->rows, chunks = a->chunks;
     const int groups_per_chunk = 16 / a->words_per_group;
-    const __m512i field_mask = _mm512_set1_epi32((1 << bits) - 1);
-    const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int scale_lane[16], min_lane[16];
-    for (int l = 0; l < 16; ++l) {
-        scale_lane[l] = 2 * (l / a->words_per_group);
-        min_lane[l] = 2 * (l / a->words_per_group) + 1;
+    const vi field_mask = vi_set1((1 << bits) - 1);
+    int scale_lane[16], min_lane[16], first[CHUNK_VECS];
+    sm_lanes(a->words_per_group, scale_lane, min_lane, first);
+    vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
+    for (int s = 0; s < CHUNK_VECS; ++s) {
+        scale_idx[s] = vi_load(scale_lane + VL * s);
+        min_idx[s] = vi_load(min_lane + VL * s);
     }
-    const __m512i scale_idx = _mm512_loadu_si512(scale_lane), min_idx = _mm512_loadu_si512(min_lane);
     for (int r = r0; r < r1; ++r) {
-        __m512 total[16];
-        for (int m = 0; m < rows; ++m) total[m] = _mm512_setzero_ps();
+        vf total[CHUNK_VECS][16];
+        for (int s = 0; s < CHUNK_VECS; ++s)
+            for (int m = 0; m < rows; ++m) total[s][m] = v_zero();
         const int32_t* wr = a->words + (int64_t)r * a->words_per_row;
         const uint16_t* sr = a->sm + (int64_t)r * a->groups_per_row * 2;
         for (int c = 0; c < chunks; ++c) {
             const int left = a->words_per_row - 16 * c;
-            const __mmask16 wmask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-            const __m512i wv = _mm512_maskz_loadu_epi32(wmask, wr + 16 * c);
             const int groups_left = a->groups_per_row - groups_per_chunk * c;
-            const int halves = 2 * (groups_left < groups_per_chunk ? groups_left : groups_per_chunk);
-            const __m256i h =
-                _mm256_maskz_loadu_epi16((__mmask16)((1u << halves) - 1), sr + 2 * groups_per_chunk * c);
-            const __m512 smv = _mm512_cvtph_ps(h);
-            const __m512 scale = _mm512_permutexvar_ps(scale_idx, smv);
-            const __m512 mins = _mm512_permutexvar_ps(min_idx, smv);
-            __m512 u[8];
-            if (bits == 4) {  // a permute reads only an index's low 4 bits: the nibble picks its own float
-                for (int i = 0; i < fields; ++i)
-                    u[i] = _mm512_permutexvar_ps(_mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * i)), nibbles);
-            } else {
-                for (int i = 0; i < fields; ++i)
-                    u[i] = _mm512_cvtepi32_ps(
-                        _mm512_and_si512(_mm512_srlv_epi32(wv, _mm512_set1_epi32(bits * i)), field_mask));
-            }
-            for (int m = 0; m < rows; ++m) {
-                const float* x = a->xp + ((int64_t)m * chunks + c) * fields * 16;
-                // Two chains of fmas, not one: the fields' products do not wait on each other.
-                __m512 even = _mm512_mul_ps(u[0], _mm512_loadu_ps(x));
-                __m512 odd = _mm512_mul_ps(u[1], _mm512_loadu_ps(x + 16));
-                for (int i = 2; i < fields; i += 2) {
-                    even = _mm512_fmadd_ps(u[i], _mm512_loadu_ps(x + 16 * i), even);
-                    odd = _mm512_fmadd_ps(u[i + 1], _mm512_loadu_ps(x + 16 * (i + 1)), odd);
+            const int groups = groups_left < groups_per_chunk ? groups_left : groups_per_chunk;
+            for (int s = 0; s < CHUNK_VECS; ++s) {
+                const vi wv = vi_load_n(wr + 16 * c + VL * s, left - VL * s);
+                const vf smv = v_load_sm(sr + 2 * (groups_per_chunk * c + first[s]), groups - first[s]);
+                const vf scale = v_pick(smv, scale_idx[s]), mins = v_pick(smv, min_idx[s]);
+                vf u[8];
+                if (bits == 4) {
+                    for (int i = 0; i < fields; ++i) u[i] = v_low4(vi_srlv(wv, vi_set1(4 * i)));
+                } else {
+                    for (int i = 0; i < fields; ++i)
+                        u[i] = v_from_int(vi_and(vi_srlv(wv, vi_set1(bits * i)), field_mask));
                 }
-                const __m512 xsum = _mm512_loadu_ps(a->xs + ((int64_t)m * chunks + c) * 16);
-                total[m] = _mm512_fmadd_ps(_mm512_add_ps(even, odd), scale, total[m]);
-                total[m] = _mm512_fnmadd_ps(mins, xsum, total[m]);
+                for (int m = 0; m < rows; ++m) {
+                    const float* x = a->xp + ((int64_t)m * chunks + c) * fields * 16 + VL * s;
+                    // Two chains of fmas, not one: the fields' products do not wait on each other.
+                    vf even = v_mul(u[0], v_load(x));
+                    vf odd = v_mul(u[1], v_load(x + 16));
+                    for (int i = 2; i < fields; i += 2) {
+                        even = v_fmadd(u[i], v_load(x + 16 * i), even);
+                        odd = v_fmadd(u[i + 1], v_load(x + 16 * (i + 1)), odd);
+                    }
+                    const vf xsum = v_load(a->xs + ((int64_t)m * chunks + c) * 16 + VL * s);
+                    total[s][m] = v_fmadd(v_add(even, odd), scale, total[s][m]);
+                    total[s][m] = v_fnmadd(mins, xsum, total[s][m]);
+                }
             }
         }
-        for (int m = 0; m < rows; ++m) a->out[(int64_t)m * a->n + r] = _mm512_reduce_add_ps(total[m]);
+        for (int m = 0; m < rows; ++m) {
+            vf t = total[0][m];
+            for (int s = 1; s < CHUNK_VECS; ++s) t = v_add(t, total[s][m]);
+            a->out[(int64_t)m * a->n + r] = v_reduce_add(t);
+        }
     }
 }
 

@@ -3,32 +3,13 @@
 // write, attention of a few query rows over the cache, SwiGLU. fp32 throughout, rounding as the torch references
 // do where the order is the same (elementwise ops; the library is built with -ffp-contract=off so `a * b - c * d`
 // stays two roundings and a subtraction); reductions (RMSNorm's mean, attention's sums) add in another order.
-#include <immintrin.h>
+// Vector operations from simd.h (AVX-512 or AVX2).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "pool.h"
-
-// exp(x) for x <= 0 as 2^n * e^f, |f| <= ln2 / 2, e^f by its Taylor series to f^7 (truncation < 1e-8 relative);
-// scalef gives 0 for the far negative x, as exp underflows.
-static inline __m512 exp_neg(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: n * hi is exact
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), f);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, _mm512_max_ps(n, _mm512_set1_ps(-200.0f)));
-}
-
-static inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+#include "simd.h"
 
 // out = rms_norm(x + add) * w per row, and sum = x + add (add, sum: NULL for a plain norm). As rms_norm_ref:
 // s * (1 / sqrt(mean(s^2) + eps)), then * w.
@@ -38,22 +19,20 @@ void cpu_rms_norm(const float* x, const float* add, float* sum, const float* w, 
         const float* xr = x + (int64_t)r * dim;
         const float* ar = add ? add + (int64_t)r * dim : NULL;
         float* sr = sum ? sum + (int64_t)r * dim : NULL;
-        __m512 sq = _mm512_setzero_ps();
-        for (int i = 0; i < dim; i += 16) {
-            const __mmask16 m = tail_mask(dim - i);
-            __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+        vf sq = v_zero();
+        for (int i = 0; i < dim; i += VL) {
+            vf v = v_load_n(xr + i, dim - i);
             if (ar) {
-                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, ar + i));
-                _mm512_mask_storeu_ps(sr + i, m, v);
+                v = v_add(v, v_load_n(ar + i, dim - i));
+                v_store_n(sr + i, dim - i, v);
             }
-            sq = _mm512_fmadd_ps(v, v, sq);
+            sq = v_fmadd(v, v, sq);
         }
-        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)dim + eps);
+        const float inv = 1.0f / sqrtf(v_reduce_add(sq) / (float)dim + eps);
         const float* src = sr ? sr : xr;
-        for (int i = 0; i < dim; i += 16) {
-            const __mmask16 m = tail_mask(dim - i);
-            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), _mm512_set1_ps(inv));
-            _mm512_mask_storeu_ps(out + (int64_t)r * dim + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+        for (int i = 0; i < dim; i += VL) {
+            const vf v = v_mul(v_load_n(src + i, dim - i), v_set1(inv));
+            v_store_n(out + (int64_t)r * dim + i, dim - i, v_mul(v, v_load_n(w + i, dim - i)));
         }
     }
 }
@@ -135,45 +114,40 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
         const float* vb = a->v_cache + kv;
         for (int j = 0; j < len; ++j) {
             for (int g = 0; g < group; ++g) {
-                __m512 d = _mm512_setzero_ps();
-                for (int i = 0; i < dim; i += 16) {
-                    const __mmask16 m = tail_mask(dim - i);
-                    const __m512 kj = _mm512_maskz_loadu_ps(m, kb + (int64_t)j * dim + i);
-                    d = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * dim + i), kj, d);
+                vf d = v_zero();
+                for (int i = 0; i < dim; i += VL) {
+                    const vf kj = v_load_n(kb + (int64_t)j * dim + i, dim - i);
+                    d = v_fmadd(v_load_n(q + g * dim + i, dim - i), kj, d);
                 }
-                score_buf[(int64_t)g * len + j] = _mm512_reduce_add_ps(d) * a->scale;
+                score_buf[(int64_t)g * len + j] = v_reduce_add(d) * a->scale;
             }
         }
         for (int g = 0; g < group; ++g) {
             float* sc = score_buf + (int64_t)g * len;
-            __m512 top = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < len; j += 16)
-                top = _mm512_mask_max_ps(top, tail_mask(len - j), top, _mm512_maskz_loadu_ps(tail_mask(len - j), sc + j));
-            const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-            __m512 total = _mm512_setzero_ps();
-            for (int j = 0; j < len; j += 16) {
-                const __mmask16 m = tail_mask(len - j);
-                const __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), best)));
-                _mm512_mask_storeu_ps(sc + j, m, e);
-                total = _mm512_add_ps(total, e);
+            vf top = v_set1(-INFINITY);
+            for (int j = 0; j < len; j += VL) top = v_mask_max(top, v_tail(len - j), top, v_load_n(sc + j, len - j));
+            const vf best = v_set1(v_reduce_max(top));
+            vf total = v_zero();
+            for (int j = 0; j < len; j += VL) {
+                const vf e = v_maskz(v_tail(len - j), v_exp_neg(v_sub(v_load_n(sc + j, len - j), best)));
+                v_store_n(sc + j, len - j, e);
+                total = v_add(total, e);
             }
-            inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+            inv[g] = 1.0f / v_reduce_add(total);
         }
         float* o = a->out + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;
-        for (int i = 0; i < dim; i += 16) {
-            const __mmask16 m = tail_mask(dim - i);
-            __m512 acc[8];
+        for (int i = 0; i < dim; i += VL) {
+            vf acc[8];
             for (int g0 = 0; g0 < group; g0 += 8) {  // up to 8 heads' accumulators at a time stay in registers
                 const int gn = group - g0 < 8 ? group - g0 : 8;
-                for (int g = 0; g < gn; ++g) acc[g] = _mm512_setzero_ps();
+                for (int g = 0; g < gn; ++g) acc[g] = v_zero();
                 for (int j = 0; j < len; ++j) {
-                    const __m512 vj = _mm512_maskz_loadu_ps(m, vb + (int64_t)j * dim + i);
+                    const vf vj = v_load_n(vb + (int64_t)j * dim + i, dim - i);
                     for (int g = 0; g < gn; ++g)
-                        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(score_buf[(int64_t)(g0 + g) * len + j]), vj, acc[g]);
+                        acc[g] = v_fmadd(v_set1(score_buf[(int64_t)(g0 + g) * len + j]), vj, acc[g]);
                 }
                 for (int g = 0; g < gn; ++g)
-                    _mm512_mask_storeu_ps(o + (int64_t)(g0 + g) * dim + i, m,
-                                          _mm512_mul_ps(acc[g], _mm512_set1_ps(inv[g0 + g])));
+                    v_store_n(o + (int64_t)(g0 + g) * dim + i, dim - i, v_mul(acc[g], v_set1(inv[g0 + g])));
             }
         }
     }
@@ -209,16 +183,15 @@ void cpu_silu_mul(const float* x, float* out, int rows, int n) {
     for (int r = 0; r < rows; ++r) {
         const float* g = x + (int64_t)r * 2 * n;
         const float* u = g + n;
-        for (int i = 0; i < n; i += 16) {
-            const __mmask16 m = tail_mask(n - i);
-            const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        for (int i = 0; i < n; i += VL) {
+            const vf gv = v_load_n(g + i, n - i);
             // exp(-|g|) keeps the argument <= 0; for g < 0, 1 + exp(-g) = (1 + e) / e with e = exp(g)
-            const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 one = _mm512_set1_ps(1.0f);
-            const __m512 denom = _mm512_mask_div_ps(_mm512_add_ps(one, e), neg, _mm512_add_ps(one, e), e);
-            const __m512 silu = _mm512_div_ps(gv, denom);
-            _mm512_mask_storeu_ps(out + (int64_t)r * n + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
+            const vf e = v_exp_neg(v_sub(v_zero(), v_abs(gv)));
+            const vmask neg = v_cmp(gv, v_zero(), _CMP_LT_OQ);
+            const vf one = v_set1(1.0f);
+            const vf denom = v_mask_div(v_add(one, e), neg, v_add(one, e), e);
+            const vf silu = v_div(gv, denom);
+            v_store_n(out + (int64_t)r * n + i, n - i, v_mul(silu, v_load_n(u + i, n - i)));
         }
     }
 }
