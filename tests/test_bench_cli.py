@@ -23,7 +23,11 @@ def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Pat
     out = tmp_path / "bench.json"
     assert main(["bench", "-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
                  "--spec-types", "ngram-suffix", "--repeat", "1", "-o", str(out)]) == 0
-    assert "tg4 code-edit ngram-suffix" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "tg4 code-edit ngram-suffix" in captured.out
+    progress = [line for line in captured.err.splitlines() if line.startswith("bench: ")]
+    names = [line.split(":")[1].strip() for line in progress if "t/s" in line]  # as each figure is measured
+    assert names[:3] == ["pp16", "tg4", "tg4 code-edit none"]
     data = json.loads(out.read_text())
     assert data["pp16"] > 0 and data["tg4"] > 0 and data["code_edit_none"] > 0
     spec = data["code_edit_spec"]["ngram-suffix"]

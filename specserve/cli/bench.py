@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specserve import catalog
@@ -82,13 +83,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if r is not None:
             r.warmup(17)
     rows: list[tuple[str, float, str]] = []
+
+    def record(name: str, rate: float, note: str = "") -> None:
+        """A row of the table; also a progress line on stderr now (a bench runs for minutes)."""
+        rows.append((name, rate, note))
+        print(f"bench: {name}: {rate:.1f} t/s {note}".rstrip(), file=sys.stderr, flush=True)
+
     result: dict[str, object] = {"model": args.model or catalog.DEFAULT_MODEL, "device": str(runner.device),
                                  "dtype": str(runner.dtype).replace("torch.", ""),
                                  "weight_format": runner.weight_format}
     pp = bench_prefill(runner, args.n_prompt)
-    rows.append((f"pp{args.n_prompt}", pp, ""))
+    record(f"pp{args.n_prompt}", pp)
     tg = bench_decode(runner, session.tokenizer, args.n_gen)
-    rows.append((f"tg{args.n_gen}", tg, ""))
+    record(f"tg{args.n_gen}", tg)
+    print("bench: timing single steps by row count ...", file=sys.stderr, flush=True)
     steps = 50 if runner.device.type == "cuda" else 12  # a CPU step is 10-100x longer: 12 give a stable median
     step_ms = {n: bench_step(runner, n, steps=steps) * 1e3 for n in TIMED_STEP_ROWS}
     result.update({f"pp{args.n_prompt}": round(pp, 1), f"tg{args.n_gen}": round(tg, 1),
@@ -103,7 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       tg_roofline_fraction=round(tg / roofline, 3))
     code_edit = workload_prompts(session.tokenizer, "code_edit", args.prompts)
     none_rate, _, none_out = greedy_decode_rate(runner, session.tokenizer, code_edit, args.n_gen, repeat=args.repeat)
-    rows.append((f"tg{args.n_gen} code-edit none", none_rate, ""))
+    record(f"tg{args.n_gen} code-edit none", none_rate)
     spec_rows = {}
     runs = [(t, None, True) for t in types if t not in KEYED_TYPES] + [(t, n, True) for t in types
                                                                        if t in KEYED_TYPES for n in sizes]
@@ -123,14 +131,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         note = f"x{rate / none_rate:.2f}, accept {acc:.2f}, {stats.tokens_per_step:.2f} tok/step"
         if out != none_out:
             note += ", OUTPUT DIFFERS"
-        rows.append((f"tg{args.n_gen} code-edit {label}", rate, note))
+        record(f"tg{args.n_gen} code-edit {label}", rate, note)
         spec_rows[label] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / none_rate, 3),
                         "acceptance": round(acc, 4), "tokens_per_step": round(stats.tokens_per_step, 3),
                         "identical": out == none_out}
     result.update({"code_edit_none": round(none_rate, 1), "code_edit_spec": spec_rows})
     if not args.no_hf and args.remote is None:  # (HF needs the file here)
         hf = hf_decode_rate(catalog.resolve(args.model), runner.device, code_edit[0][:64], args.n_gen)
-        rows.append((f"tg{args.n_gen} HF transformers", hf, f"specserve x{tg / hf:.1f}"))
+        record(f"tg{args.n_gen} HF transformers", hf, f"specserve x{tg / hf:.1f}")
         result.update(hf_tg=round(hf, 1), ratio_to_hf=round(tg / hf, 2))
     print(f"{'test':<34} {'t/s':>10}  notes")
     print("-" * 70)
