@@ -42,7 +42,11 @@ def _bind_unix(path: str) -> socket.socket:
 
 def _bind_tcp(host: str, port: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    return socket.create_server((host, port), family=family)  # (IPv6: IPV6_V6ONLY set, as llama-server)
+    sock = socket.create_server((host, port), family=family)  # (IPv6: IPV6_V6ONLY set, as llama-server)
+    # Connections inherit it (Linux): a response's header and body writes then go out at once; with Nagle
+    # the body waited for the client's delayed ACK, ~40 ms on every keep-alive request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def bind(hosts: list[str], port: int) -> list[socket.socket]:

@@ -28,11 +28,14 @@ def yield_gil() -> None:
 
 def json_list(key: str, items: list[Any], piece: int = 4096) -> bytes:
     """`{key: items}` as JSON, serialized a slice at a time: json.dumps keeps the GIL for a whole call."""
-    parts = []
+    parts = [f"{{{json.dumps(key)}: [".encode()]
     for i in range(0, len(items), piece):
-        parts.append(json.dumps(items[i:i + piece], ensure_ascii=False)[1:-1])
+        if i:
+            parts.append(b", ")
+        parts.append(json.dumps(items[i:i + piece], ensure_ascii=False)[1:-1].encode())
         yield_gil()
-    return f'{{{json.dumps(key)}: [{", ".join(parts)}]}}'.encode()
+    parts.append(b"]}")
+    return b"".join(parts)  # bytes joined: one copy (a str join then encode held the GIL ~15 ms for 8 MB)
 
 
 class TextEncoder:
