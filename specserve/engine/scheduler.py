@@ -61,7 +61,7 @@ class Scheduler(SlotResults, SlotJobs):
         self.overlap = overlap
         self.n_ctx = runner.n_ctx
         self.slots = [Slot(i) for i in range(runner.n_seqs)]
-        self.counters = SchedulerCounters(kv_capacity=runner.n_seqs * runner.n_ctx)
+        self.counters = SchedulerCounters(kv_capacity=runner.n_seqs * runner.n_ctx)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
@@ -109,7 +109,9 @@ class Scheduler(SlotResults, SlotJobs):
 
     def counters_snapshot(self) -> SchedulerCounters:
         with self._cond:
-            return self.counters.copy()
+            c = self.counters.copy()
+        c.kv_tokens = sum(len(s.cache) for s in self.slots)  # derived when asked, not kept up per step
+        return c
 
     @property
     def busy(self) -> bool:
@@ -249,15 +251,14 @@ class Scheduler(SlotResults, SlotJobs):
         """Where another slot's cache holds more of the prompt than this slot's own (a shared system prompt), copy
         that sequence's K/V instead of evaluating the prefix again; the caller truncates to the returned length.
         Only settled positions count (slot.cache), so a step in flight on the other slot cannot matter."""
-        others = [s for s in self.slots if s is not slot]
-        if not others:
-            return keep
-        best = max(others, key=lambda s: common_prefix(s.cache, prompt))
-        shared = min(common_prefix(best.cache, prompt), len(prompt) - 1, self.runner.seq_len[best.id])
+        held, best = max(((common_prefix(s.cache, prompt), s) for s in self.slots if s is not slot),
+                         key=lambda pair: pair[0], default=(0, slot))
+        shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
         if shared < keep + MIN_SHARED_PREFIX:
             return keep
         self.runner.kv_copy(best.id, slot.id)
-        self.counters.prompt_tokens_shared += shared - keep
+        with self._cond:
+            self.counters.prompt_tokens_shared += shared - keep
         return shared
 
     def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:

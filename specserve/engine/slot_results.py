@@ -54,10 +54,8 @@ class SlotResults:
             except Exception as exc:
                 log.exception("processing slot %d failed", e.slot.id)
                 self._fail(e.slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
-        lengths = [len(s.cache) for s in self.slots]
         with self._cond:
-            self.counters.n_tokens_max = max(self.counters.n_tokens_max, *lengths)
-            self.counters.kv_tokens = sum(lengths)
+            self.counters.n_tokens_max = max([self.counters.n_tokens_max, *(len(s.cache) for s in self.slots)])
 
     @staticmethod
     def _choose(slot: Slot, picked: list[int] | None, rows: torch.Tensor | None, draft: list[int]) -> list[int]:

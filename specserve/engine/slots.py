@@ -93,7 +93,7 @@ class Slot:
 @dataclass
 class SchedulerCounters:
     prompt_tokens: int = 0
-    prompt_tokens_shared: int = 0  # prompt positions copied from another slot's cache instead of evaluated
+    prompt_tokens_shared: int = 0  # copied from another slot's cache instead of evaluated (part of the cached)
     prompt_seconds: float = 0.0
     tokens_predicted: int = 0
     predicted_seconds: float = 0.0
@@ -102,7 +102,7 @@ class SchedulerCounters:
     requests_processing: int = 0
     requests_deferred: int = 0
     n_tokens_max: int = 0
-    kv_tokens: int = 0  # KV positions held by the slots (idle slots keep theirs for prompt caching)
+    kv_tokens: int = 0  # KV positions held by the slots, idle ones' prompt caches too (set by counters_snapshot)
     kv_capacity: int = 0  # positions all slots together can hold
     requests_done: int = 0
     requests_failed: int = 0
