@@ -3,7 +3,8 @@
 # serving, slow tests; every step's JSON goes to $OUT. The GPU machine has no venv: it expects the
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
-# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve remote remoteserve moe slowtests]
+# SERVER_EXTRA: more `specserve serve` flags for serve and fidelity (e.g. --batch-invariant).
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe slowtests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -28,7 +29,10 @@ for step in $steps; do
         serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-1,4,16,64}" \
                    --requests ${REQUESTS:-2} -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
                    ${CATEGORY:+--category "$CATEGORY"} -o "$OUT/serve_${T}_cuda$sfx${CATEGORY:+_$CATEGORY}.json" \
-                   --server-args --weight-format "$FORMAT" 2>&1 | tail -20 ;;
+                   --server-args --weight-format "$FORMAT" ${SERVER_EXTRA:-} 2>&1 | tail -20 ;;
+        fidelity) timeout 600 python3 benchmarks/fidelity_check.py -m $T --device cuda -n 128 --prompts "$SPECSERVE_WORKLOADS" \
+                      -o "$OUT/fidelity_${T}_cuda$sfx${SERVER_EXTRA:+_invariant}.json" \
+                      --server-args --weight-format "$FORMAT" ${SERVER_EXTRA:-} 2>&1 | tail -14 ;;
         remote) timeout 600 python3 benchmarks/remote_bench.py -m $T --device cuda --weight-format "$FORMAT" \
                     --transports "${TRANSPORTS:-unix,tcp}" \
                     -o "$OUT/remote_${T}_cuda$sfx.json" 2>&1 | tail -8 ;;
@@ -45,6 +49,6 @@ for step in $steps; do
              timeout 400 python3 benchmarks/moe_bench.py --sections decode --weight-format "${MOE_FORMAT:-q8}" \
                  -o "$OUT/moe_bench_cuda_decode.json" 2>&1 | tail -12 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve remote remoteserve moe slowtests)" ;;
+        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe slowtests)" ;;
     esac
 done

@@ -211,6 +211,18 @@ def render_prompts(url: str, headers: dict[str, str], conversations: list[list[d
     return out
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The server to measure: --url, else the `specserve serve` that start_server starts (--server-args last)."""
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
+    p.add_argument("-m", "--model", default="smollm2-135m", help="model for the server this script starts")
+    p.add_argument("-md", "--model-draft", default=None, help="draft model for the started server")
+    p.add_argument("--device", default=None)
+    p.add_argument("--slot-ctx", type=int, default=2048, help="context per slot of the started server")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for `specserve serve`")
+    p.add_argument("--load-timeout", type=float, default=600)
+
+
 def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Popen, str]:
     import socket
 
@@ -259,14 +271,7 @@ def print_table(results: list[LevelResult]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=None, help="benchmark a running server (default: start one)")
-    p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
-    p.add_argument("-m", "--model", default="smollm2-135m", help="model for the server this script starts")
-    p.add_argument("-md", "--model-draft", default=None, help="draft model for the started server")
-    p.add_argument("--device", default=None)
-    p.add_argument("--slot-ctx", type=int, default=2048, help="context per slot of the started server")
-    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for `specserve serve`")
-    p.add_argument("--load-timeout", type=float, default=600)
+    add_server_args(p)
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=2, help="requests per client at each level")
     p.add_argument("-n", "--n-predict", type=int, default=128)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    if getattr(args, "batch_invariant", False):
+        from specserve.kernels import batch_invariant
+
+        os.environ["SPECSERVE_BATCH_INVARIANT"] = "1"  # for the ranks a tensor-parallel run starts
+        batch_invariant.enable()
     try:
         follower = _torchrun_follower(args)
         if follower is not None:

@@ -24,9 +24,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="matrices in memory: auto = gguf on a CPU with AVX2 or AVX-512 and a C compiler, else float; "
                         "float = bf16 on CUDA, fp32 on CPU; gguf = the file's own quantization kept, 4/8-bit "
                         "(fewer bytes a token: faster decode, slower verify steps on CUDA); q8 = Q8_0-style 8-bit")
+    add_batch_invariant_arg(p)
     p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU a "
                         "rank); starts N-1 follower processes, or, under torchrun, joins its ranks (float weights)")
+
+
+def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-invariant", action="store_true",
+                   default=os.environ.get("SPECSERVE_BATCH_INVARIANT") == "1",
+                   help="CUDA: every row computed in the same bits whatever else its step holds, so greedy text "
+                        "never depends on other requests (slower; the CPU path is so without it)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

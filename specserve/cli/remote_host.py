@@ -10,6 +10,7 @@ import sys
 import torch
 
 from specserve import catalog
+from specserve.cli.args import add_batch_invariant_arg
 from specserve.engine.local_runner import LocalRunner
 from specserve.errors import SpecserveError
 from specserve.remote.host import serve
@@ -57,4 +58,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("remote-host", help="serve this machine's device to fronts without one (--remote)")
     p.add_argument("--listen", required=True, help="unix:PATH or tcp:HOST:PORT (TCP: 127.0.0.1 unless a token is set)")
     p.add_argument("--token", default=None, help="shared token the fronts must present (required off loopback)")
+    add_batch_invariant_arg(p)  # the kernels run here, not on the front
     p.set_defaults(func=cmd_remote_host)

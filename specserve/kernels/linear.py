@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.errors import SpecserveError
+from specserve.kernels import batch_invariant
 from specserve.kernels.activation import silu_mul, silu_mul_ref
 from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -162,12 +163,17 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     quant = isinstance(w, QuantWeight)
-    if quant and rows <= MAX_SLICED_ROWS and triton_enabled(x):
+    invariant = batch_invariant.applies(x)
+    if quant and (rows <= MAX_SLICED_ROWS or invariant) and triton_enabled(x):
         from specserve.kernels import quant_cuda
 
         kernel = quant_cuda.usable(x, w, bias, out_dtype or x.dtype)
         if kernel:
             return quant_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
+    if invariant:  # one kernel for every row count: float products in fixed slices
+        weight = dequantize(w, x.dtype) if quant else w
+        y = batch_invariant.linear_float(silu_mul(x) if silu_input else x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
     if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 
@@ -191,7 +197,8 @@ def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
     norm_input it can fold in the RMSNorm of x (K staged whole). Such products can also add into a
     residual stream (`linear_fused`) and apply SwiGLU to their output (`feed_forward`)."""
     rows = x.numel() // x.shape[-1]
-    if not (isinstance(w, QuantWeight) and rows <= MAX_SLICED_ROWS and triton_enabled(x)):
+    if not (isinstance(w, QuantWeight) and (rows <= MAX_SLICED_ROWS or batch_invariant.applies(x))
+            and triton_enabled(x)):
         return False
     from specserve.kernels import quant_cuda
 
