@@ -4,7 +4,7 @@
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
 # SERVER_EXTRA: more `specserve serve` flags for serve and fidelity (e.g. --batch-invariant).
-# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe slowtests]
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe slowtests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -27,7 +27,7 @@ for step in $steps; do
                   -o "$OUT/spec_${T}_cuda$sfx.json" 2>&1 | tail -22 ;;
         graphs) timeout 300 python3 benchmarks/graph_check.py -m $T -n 128 -o "$OUT/graph_check_$T.json" 2>&1 | tail -10 ;;
         serve) timeout 900 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-1,4,16,64}" \
-                   --requests ${REQUESTS:-2} -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
+                   --requests ${REQUESTS:-2} --rounds ${ROUNDS:-1} -n 128 --modes "${SERVE_MODES:-none,ngram-suffix}" --prompts "$SPECSERVE_WORKLOADS" \
                    ${CATEGORY:+--category "$CATEGORY"} -o "$OUT/serve_${T}_cuda$sfx${CATEGORY:+_$CATEGORY}.json" \
                    --server-args --weight-format "$FORMAT" ${SERVER_EXTRA:-} 2>&1 | tail -20 ;;
         fidelity) timeout 600 python3 benchmarks/fidelity_check.py -m $T --device cuda -n 128 --prompts "$SPECSERVE_WORKLOADS" \

@@ -71,6 +71,7 @@ class LevelResult:
     draft_accepted: int
     drafting_turns: float | None = None  # share of the server's multi-slot turns the draft gate let draft
     kv_tokens_peak: int | None = None  # most KV positions in use (all slots) while the level ran
+    rounds_tokens_per_s: list[float] = field(default_factory=list)  # every round's tok/s (--rounds)
 
 
 def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
@@ -254,6 +255,14 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
     raise SystemExit(f"server not ready after {args.load_timeout}s; see {log.name}")
 
 
+def median_run(runs: list[LevelResult]) -> LevelResult:
+    """The run of median tok/s (the lower middle of an even count), carrying every run's rate."""
+    ordered = sorted(runs, key=lambda r: r.tokens_per_s)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    chosen.rounds_tokens_per_s = [r.tokens_per_s for r in runs]
+    return chosen
+
+
 def print_table(results: list[LevelResult]) -> None:
     head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'decode':>8} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} "
@@ -274,6 +283,8 @@ def main() -> int:
     add_server_args(p)
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=2, help="requests per client at each level")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each level's modes, interleaved; the table shows each mode's median run")
     p.add_argument("-n", "--n-predict", type=int, default=128)
     p.add_argument("--modes", default="none,ngram-simple",
                    help="comma-separated: none (no speculation) or a speculative.type per request")
@@ -300,15 +311,18 @@ def main() -> int:
         asyncio.run(run_level(url, headers, prompts[:1], 1, 1, 8, "none"))  # warm-up
         results = []
         for clients in levels:
-            for mode in modes:  # modes side by side at each level: load changes hit both alike
-                before = gate_turns(url, headers)
-                res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict, mode,
-                                            cache_prompt=args.mix == "shared-system"))
-                after = gate_turns(url, headers)
-                if before and after and sum(after) > sum(before):
-                    res.drafting_turns = (after[0] - before[0]) / (sum(after) - sum(before))
-                results.append(res)
-                print(f"{mode} x{clients}: {res.tokens_per_s:.1f} tok/s", file=sys.stderr)
+            runs: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
+            for _ in range(args.rounds):
+                for mode in modes:  # modes side by side at each level: load changes hit all alike
+                    before = gate_turns(url, headers)
+                    res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict,
+                                                mode, cache_prompt=args.mix == "shared-system"))
+                    after = gate_turns(url, headers)
+                    if before and after and sum(after) > sum(before):
+                        res.drafting_turns = (after[0] - before[0]) / (sum(after) - sum(before))
+                    runs[mode].append(res)
+                    print(f"{mode} x{clients}: {res.tokens_per_s:.1f} tok/s", file=sys.stderr)
+            results += [median_run(runs[mode]) for mode in modes]
     finally:
         if proc is not None:
             proc.terminate()

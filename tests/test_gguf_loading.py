@@ -73,10 +73,9 @@ def test_without_mmap_the_tensors_are_read_into_memory(typed_file) -> None:
     mapped, read = GGUFFile(path), GGUFFile(path, mmap=False)
     for qtype in [*ROUND_TRIP, *RAW_ONLY]:
         name = f"t.{qtype.name}"
-        assert isinstance(mapped._tensor(name).data.base, np.memmap) or isinstance(mapped._tensor(name).data,
-                                                                                   np.memmap)
+        assert np.shares_memory(mapped._tensor(name).data, mapped._reader.data)  # a view of the map
         data = read._tensor(name).data
-        assert not isinstance(data, np.memmap) and not isinstance(data.base, np.memmap)
+        assert not np.shares_memory(data, read._reader.data)
         got = read.load_tensor(name, torch.float32)
         assert torch.equal(got, mapped.load_tensor(name, torch.float32)), name
         assert not np.may_share_memory(got.numpy(), data)
@@ -108,3 +107,19 @@ def test_unsupported_architecture() -> None:
 def test_missing_metadata_is_named() -> None:
     with pytest.raises(SpecserveError, match="llama.embedding_length"):
         ModelConfig.from_gguf({"general.architecture": "llama"}, set())
+
+
+def test_metadata_and_tensors_are_ggufs_own(smollm_path: Path) -> None:
+    """The reader's faster field parsing gives what gguf's GGUFReader gives: every key's value, every tensor."""
+    from gguf import GGUFReader
+
+    from specserve.gguf.reader import _field_value
+
+    ours = GGUFFile(smollm_path)
+    theirs = GGUFReader(smollm_path, "r")
+    assert ours.metadata == {key: _field_value(field) for key, field in theirs.fields.items()}
+    assert ours.tensor_names() == [t.name for t in theirs.tensors]
+    for t in theirs.tensors[:3] + theirs.tensors[-3:]:
+        mine = ours._tensor(t.name)
+        assert (mine.tensor_type, mine.data_offset) == (t.tensor_type, t.data_offset)
+        assert np.array_equal(mine.data, t.data)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from specserve.engine.local_runner import LocalRunner
-from specserve.gguf.repack import REPACKABLE, repack
+from specserve.gguf.repack import REPACKABLE, dequantize_blocks, repack
 from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref, pack, unpack
 from specserve.model.batch import Batch
 from tests.gguf_blocks import raw_blocks
@@ -39,6 +39,18 @@ def test_repack_is_exact(qtype: Q) -> None:
     # fp16 scale and min: off by at most a few fp16 roundings of the group's largest magnitude
     err = (dequantize_ref(w, torch.float32) - torch.from_numpy(expected)).abs().view(ROWS, -1, group)
     assert (err <= torch.from_numpy(np.abs(expected)).view(ROWS, -1, group).amax(-1, keepdim=True) * 2e-3).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE, key=lambda t: t.name))
+@pytest.mark.parametrize("rows,cols", [(37, 768), (1, 256), (64, 4096)])
+def test_dequantize_blocks_is_ggufs_decoder(qtype: Q, rows: int, cols: int) -> None:
+    """Regrouping the blocks into long rows changes nothing: bit for bit gguf's dequantize, shape included."""
+    raw = raw_blocks(qtype, np.random.default_rng(rows + int(qtype)), rows, cols)
+    expected = dequantize(raw, qtype)
+    got = dequantize_blocks(raw, qtype)
+    assert got.shape == expected.shape == (rows, cols) and np.array_equal(got, expected)
+    stacked = np.stack([raw, raw[::-1]])  # a stack of experts: [2, rows, bytes per row]
+    assert np.array_equal(dequantize_blocks(stacked, qtype), dequantize(stacked, qtype))
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 16), (8, 32)])

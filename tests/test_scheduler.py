@@ -301,3 +301,30 @@ def test_a_prompt_prefix_held_by_another_slot_is_copied_not_evaluated(scheduler:
     assert len(cached) == 2 and cached[0] >= prefix - 2  # both skipped the prefix: one kept it, one copied it
     counters = scheduler.counters_snapshot()  # both slots now hold a prompt and its answer
     assert 2 * prefix < counters.kv_tokens <= counters.kv_capacity == target.n_seqs * target.n_ctx
+
+
+def test_the_draft_gate_counts_slots_reading_prompts(target: LocalRunner, tokenizer: Tokenizer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafting turn is unchained for every slot, prompt chunks too, so the gate is asked with the busy slots:
+    one slot generating beside one reading its prompt is two, not a lone slot (which always drafts)."""
+    from specserve.engine.draft_gate import DraftGate
+    from specserve.engine.slots import SlotState
+
+    sched = Scheduler(target, tokenizer, n_batch=8, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
+    asked: list[tuple[int, int]] = []  # (slots the gate was told of, slots generating)
+    real_allow = DraftGate.allow
+
+    def recording(self, n_slots):  # type: ignore[no-untyped-def]
+        asked.append((n_slots, sum(s.state == SlotState.GENERATING for s in sched.slots)))
+        return real_allow(self, n_slots)
+
+    monkeypatch.setattr(DraftGate, "allow", recording)
+    sched.start()
+    try:
+        short = submit(sched, tokenizer, PROMPTS[0], n_predict=16, spec=SpecParams(type="ngram-simple"))[1]
+        long = submit(sched, tokenizer, PROMPTS[1] * 3, n_predict=4, spec=SpecParams(type="ngram-simple"))[1]
+        assert all(isinstance(wait(events)[1], Result) for events in (short, long))
+    finally:
+        sched.shutdown()
+    assert (2, 1) in asked  # one generating, one still reading: the gate heard of both
+    assert all(n >= g for n, g in asked)

@@ -5,12 +5,13 @@ device for the accepted tokens. With one slot that trade pays twice over on edit
 slots the host's work per step is what limits throughput and a few accepted tokens do not buy back the lost
 overlap. Which side wins depends on the model, the device, the load and the text, so it is measured on the
 live load: generated tokens per second over windows of turns with drafts and without, per power-of-two
-count of generating slots, with a window of the other choice now and then to keep both figures fresh.
+count of busy slots (generating or reading a prompt: an unchained turn holds back prompt chunks as well), with a
+window of the other choice now and then to keep both figures fresh.
 A lone slot always drafts (on the code edits it gains x2 through the server). Every turn is measured,
 prompt chunks too: drafting spreads the ends of requests, so later prompts arrive one by one into
 unchained turns, and that cost belongs to the choice.
 
-Above MAX_DRAFTING_SLOTS generating slots nothing drafts. There the windows misjudge: a window's rate
+Above MAX_DRAFTING_SLOTS busy slots nothing drafts. There the windows misjudge: a window's rate
 cannot see what drafting does to later turns, and on the H200 the gate let 64 slots draft in 68-81% of
 turns while the wall clock lost 20-35% (docs/perf.md). `--draft-policy always` drafts regardless.
 
@@ -28,7 +29,7 @@ EXPLORE_EVERY = 16  # windows of the better choice between two windows of the ot
 SMOOTHING = 0.5  # weight of the newest window in a rate
 DRAFT_ROWS = 128  # draft rows of one step, shared by the generating slots
 MIN_DRAFT = 2  # drafts a slot may make however many slots there are
-MAX_DRAFTING_SLOTS = 8  # with more generating slots, no slot drafts
+MAX_DRAFTING_SLOTS = 8  # with more busy slots, no slot drafts
 
 
 def draft_cap(n_slots: int) -> int:
@@ -57,7 +58,8 @@ class DraftGate:
         return max(n_slots, 1).bit_length()
 
     def allow(self, n_slots: int) -> bool:
-        """Called at the start of every turn with the number of generating slots: may they draft?"""
+        """Called at the start of every turn with the number of busy slots (generating or reading a prompt):
+        may the generating ones draft?"""
         now = time.perf_counter()
         self._close(now)
         if n_slots < 2 or n_slots > MAX_DRAFTING_SLOTS:  # one slot: drafts always pay; many: see above

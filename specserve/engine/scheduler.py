@@ -162,7 +162,8 @@ class Scheduler(SlotResults, SlotJobs):
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
         self._draft_cap = draft_cap(generating)
         if self._gate is not None:
-            self._drafts_allowed = self._gate.allow(generating)
+            # Slots still reading their prompts count: a drafting turn is unchained for their chunks too.
+            self._drafts_allowed = self._gate.allow(sum(s.handle is not None for s in self.slots))
         if generating > 1:
             with self._cond:
                 if self._drafts_allowed:

@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.quants import dequantize
 
 from specserve.errors import SpecserveError
-from specserve.gguf.repack import REPACKABLE, QuantInts, repack
+from specserve.gguf.repack import REPACKABLE, QuantInts, dequantize_blocks, repack
 
 GGUF_MAGIC = b"GGUF"
 
@@ -41,6 +40,21 @@ def _field_value(field: Any) -> Any:
     return bool(value) if types[0] == GGUFValueType.BOOL else value
 
 
+class _Reader(GGUFReader):
+    """gguf's reader, reading its fields through a plain ndarray view of the mapped file instead of the
+    numpy.memmap itself: every field part is a slice, and a memmap slice costs several times more (smollm2's
+    49k tokens and merges: 1.8 s to parse, 0.5 s so). The same slicing as gguf 0.19's `_get`."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        dtype = np.dtype(dtype)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 class GGUFFile:
     """Metadata as a dict and lazily dequantized tensors of one GGUF file."""
 
@@ -55,7 +69,7 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise SpecserveError(f"{self.path} is not a GGUF file (bad magic {magic!r})")
         try:
-            self._reader = GGUFReader(self.path, "r")
+            self._reader = _Reader(self.path, "r")
         except Exception as exc:  # the gguf package raises assorted errors on damage
             raise SpecserveError(f"{self.path} is a damaged or truncated GGUF file: {exc}") from None
         self.metadata: dict[str, Any] = {}
@@ -104,7 +118,7 @@ class GGUFFile:
                 raw = torch.from_numpy(np.array(data, copy=True).view(np.int16))
                 return raw.view(torch.bfloat16).reshape(shape).to(device=device, dtype=dtype)
             else:
-                array = dequantize(data, t.tensor_type)
+                array = dequantize_blocks(data, t.tensor_type)
         except Exception as exc:
             raise SpecserveError(f"{self.path}: cannot decode tensor {name}: {exc}") from None
         array = np.ascontiguousarray(array)

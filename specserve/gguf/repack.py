@@ -42,6 +42,19 @@ class QuantInts(NamedTuple):
     group: int
 
 
+def dequantize_blocks(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf's decoder over raw blocks (any shape whose last dimension is whole blocks), as gguf.quants.dequantize
+    gives it. gguf decodes 16 rows per call; on rows of a few blocks the calls cost more than the decoding, so
+    the bytes are regrouped into long rows first (the values, decoded elementwise, are the same)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.asarray(raw, dtype=np.uint8)
+    out_shape = (*raw.shape[:-1], raw.shape[-1] // type_size * block)
+    n_blocks = raw.size // type_size
+    per_row = next(r for r in (4096, 1024, 256, 64, 16, 4, 1) if n_blocks % r == 0)
+    flat = np.ascontiguousarray(raw).reshape(n_blocks // per_row, per_row * type_size)
+    return dequantize(flat, qtype).reshape(out_shape)
+
+
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16).astype(np.float32)[:, 0]
 
@@ -71,7 +84,7 @@ def repack(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> tuple[np.ndarra
         scale = d
         if min_at is not None:
             mins = -_f16(blocks, min_at)[:, None]
-    q = dequantize(unit, qtype).reshape(n_blocks, block)
+    q = dequantize_blocks(unit, qtype).reshape(n_blocks, block)
     n, k = shape
     return (np.rint(q).astype(np.int8).reshape(n, k), scale.reshape(n, k // group).astype(np.float32),
             None if mins is None else mins.reshape(n, k // group).astype(np.float32))
