@@ -328,3 +328,28 @@ def test_the_draft_gate_counts_slots_reading_prompts(target: LocalRunner, tokeni
         sched.shutdown()
     assert (2, 1) in asked  # one generating, one still reading: the gate heard of both
     assert all(n >= g for n, g in asked)
+
+
+def test_the_next_step_is_in_flight_before_a_steps_tokens_are_handed_out(target: LocalRunner,
+                                                                       tokenizer: Tokenizer) -> None:
+    """A step with a draft cannot be chained, so the device waits while the host plans the next one; that
+    one is launched before the settled tokens go to their readers (an HTTP loop wanting the GIL), also
+    after drafted steps, and the text is that of plain greedy decoding."""
+    with running_scheduler(target, tokenizer) as sched:
+        in_flight: list[bool] = []
+        sizes: list[int] = []  # tokens per chunk: more than one after an accepted draft
+        events: queue.Queue = queue.Queue()
+
+        def emit(event: object) -> None:
+            if isinstance(event, Chunk) and event.tokens:
+                in_flight.append(sched._in_flight is not None)
+                sizes.append(len(event.tokens))
+            events.put(event)
+
+        prompt = tokenizer.encode(PROMPTS[1] * 2)
+        sched.submit(Task(prompt, GREEDY, SpecParams(type="ngram-simple"), n_predict=100), emit)
+        text, result = wait(events)
+        plain_text, _ = wait(submit(sched, tokenizer, PROMPTS[1] * 2, n_predict=100)[1])
+    assert isinstance(result, Result) and result.draft_n > 0 and text == plain_text
+    assert any(n > 1 for n in sizes[:-1]), sizes  # a drafted step that did not end the task
+    assert all(in_flight[:-1]), in_flight  # every chunk but the last: the next step was running already

@@ -67,6 +67,7 @@ class Scheduler(SlotResults, SlotJobs):
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight: InFlight | None = None
+        self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
         self._gate = DraftGate() if overlap and adaptive_drafts else None
         self._drafts_allowed = True
         self._draft_cap = draft_cap(1)
@@ -186,7 +187,17 @@ class Scheduler(SlotResults, SlotJobs):
                     slot.chain.prepare(slot.cache)
                 except Exception as exc:
                     self._drafting_failed(slot, exc)
-        self._settle(current)
+        # An unchained step (a draft to verify) leaves the device idle until the next is planned: plan and
+        # launch it before handing out this step's events, whose readers would hold the GIL meanwhile.
+        self._outbox = []
+        try:
+            self._settle(current)
+            if self._in_flight is None and self.overlap and not (self._jobs and self._job_ready()):
+                self._in_flight = self._launch(self._plan(None))
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for handle, event in outbox:
+                handle.emit(event)
 
     def _admit(self) -> list[TaskHandle]:
         """(Under the lock.) Drop cancelled queued tasks; pop as many queued tasks as there are idle slots."""

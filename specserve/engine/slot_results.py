@@ -15,7 +15,7 @@ from specserve.engine.draft_gate import DraftGate
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
-from specserve.engine.tasks import Chunk, Failure, Result, TokenProb
+from specserve.engine.tasks import Chunk, Event, Failure, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 
@@ -32,6 +32,14 @@ class SlotResults:
     counters: SchedulerCounters
     _cond: threading.Condition
     _gate: DraftGate | None
+    _outbox: list[tuple[TaskHandle, Event]] | None
+
+    def _post(self, handle: TaskHandle, event: Event) -> None:
+        """Hand an event to its task, or hold it in the outbox while the scheduler launches a step."""
+        if self._outbox is not None:
+            self._outbox.append((handle, event))
+        else:
+            handle.emit(event)
 
     def _settle(self, flight: InFlight) -> None:
         live = flight.live()
@@ -169,7 +177,7 @@ class SlotResults:
             stream.flush()
         text = stream.take(final=bool(stop_type))
         if text or emitted:
-            slot.handle.emit(Chunk(text, emitted, probs))  # type: ignore[union-attr]
+            self._post(slot.handle, Chunk(text, emitted, probs))  # type: ignore[arg-type]
         if stop_type:
             self._finish(slot, stop_type, context_full)
 
@@ -195,7 +203,7 @@ class SlotResults:
             slot.stream.flush()
         text = slot.stream.take(final=True)
         if text and stop_type != "cancelled":
-            handle.emit(Chunk(text, []))
+            self._post(handle, Chunk(text, []))
         result = Result(
             slot=slot.id, stop_type=stop_type, stopping_word=slot.stream.stopping_word,
             n_prompt=len(handle.task.prompt), n_cached=slot.n_cached, n_predicted=slot.n_decoded,
@@ -213,7 +221,7 @@ class SlotResults:
             self._release(slot)
         if slot.use_chain:
             self._end_chain(slot)
-        handle.emit(result)
+        self._post(handle, result)
 
     def _fail(self, slot: Slot, message: str) -> None:
         handle = slot.handle
@@ -224,7 +232,7 @@ class SlotResults:
         slot.cache = []
         slot.chain, slot.chain_key = None, None
         if handle is not None:
-            handle.emit(Failure(message))
+            self._post(handle, Failure(message))
 
     def _release(self, slot: Slot) -> None:
         """(Under the lock.)"""
