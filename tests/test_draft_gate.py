@@ -70,3 +70,18 @@ def test_draft_cap_shares_rows_among_many_slots_and_leaves_few_alone() -> None:
     assert draft_gate.draft_cap(1) >= 16 and draft_gate.draft_cap(4) >= 16  # llama.cpp's default --draft-max
     assert draft_gate.draft_cap(64) * 64 <= draft_gate.DRAFT_ROWS
     assert draft_gate.draft_cap(1000) == draft_gate.MIN_DRAFT
+
+
+def test_a_slots_draft_room_follows_its_acceptance() -> None:
+    """Whole drafts accepted: the next may be twice as long (up to n_max); a draft rejected partway: one
+    token past what was right, never below MIN_DRAFT."""
+    from specserve.engine.draft_gate import MIN_DRAFT, next_room
+
+    assert next_room(16, 16, 16, 16) == 16
+    assert next_room(4, 4, 4, 16) == 8 and next_room(8, 3, 3, 16) == 16  # a short whole draft: room grows
+    assert next_room(16, 10, 5, 16) == 6
+    assert next_room(16, 10, 0, 16) == MIN_DRAFT
+    room = 16
+    for drafted, accepted in [(16, 1), (2, 2), (4, 4), (8, 8)]:
+        room = next_room(room, drafted, accepted, 16)
+    assert room == 16  # back to full length after three whole drafts

@@ -248,6 +248,7 @@ class Scheduler(SlotResults, SlotJobs):
             slot.cache = task.prompt[:keep]
             slot.n_past = slot.n_planned = slot.n_cached = keep
             slot.n_decoded = slot.n_steps = slot.draft_n = slot.draft_accepted = 0
+            slot.draft_room = task.spec.n_max
             slot.last = -1
             slot.t_start = time.perf_counter()
             slot.sampler = Sampler(task.sampling)
@@ -369,7 +370,7 @@ class Scheduler(SlotResults, SlotJobs):
             return []
         room = self.n_ctx - len(history) - 1  # positions left after `last`
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room
-        limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap)) + ahead, left, room)
+        limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap, slot.draft_room)) + ahead, left, room)
         if limit < max(spec.n_min, 1) + ahead:
             return []
         return slot.chain.draft(history, last, limit, spec.n_min + ahead)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from specserve.engine.draft_gate import DraftGate
+from specserve.engine.draft_gate import DraftGate, next_room
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
@@ -119,6 +119,8 @@ class SlotResults:
             drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
             slot.draft_n += drafted
             slot.draft_accepted += accepted
+            if e.draft:
+                slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max)
             self._count_drafts(slot, drafted, accepted)
         slot.n_steps += 1
         slot.cache.append(first)

@@ -33,6 +33,7 @@ class Slot:
     n_steps: int = 0  # decode and verify steps settled
     draft_n: int = 0
     draft_accepted: int = 0
+    draft_room: int = 1 << 30  # most tokens its next draft may have (draft_gate.next_room)
     # timings (perf_counter): the task's start, its prompt's end
     t_start: float = 0.0
     t_prompt_done: float = 0.0
