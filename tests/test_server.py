@@ -535,3 +535,37 @@ def test_generate_gives_the_servers_greedy_text(server: ServerProcess, smollm_pa
                         scheduler=session.scheduler)
         assert served["tokens"] == mine.tokens, fields
         assert spec.n_max == 0 or mine.result.draft_n_accepted > 0
+
+
+def test_the_doorbell_delivers_in_order_with_few_wakeups() -> None:
+    """Events posted from another thread reach each queue in order; a burst of them costs one wake-up of the
+    loop, not one each."""
+    import asyncio
+    import threading
+
+    from specserve.server.streaming import Doorbell
+
+    async def main() -> tuple[list[int], list[int], int]:
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            nonlocal wakeups
+            wakeups += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        bell = Doorbell(loop)
+        a: asyncio.Queue[int] = asyncio.Queue()
+        b: asyncio.Queue[int] = asyncio.Queue()
+        poster = threading.Thread(target=lambda: [bell.post(a if i % 2 else b, i) for i in range(200)])
+        poster.start()
+        got_a = [await a.get() for _ in range(100)]
+        got_b = [await b.get() for _ in range(100)]
+        poster.join()
+        return got_a, got_b, wakeups
+
+    got_a, got_b, wakeups = asyncio.run(main())
+    assert got_a == list(range(1, 200, 2)) and got_b == list(range(0, 200, 2))
+    assert 1 <= wakeups < 200

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,13 +50,54 @@ class ClientGone(Exception):
 _DISCONNECTED = object()
 
 
+class Doorbell:
+    """Events from the scheduler thread into the event loop's queues, with one wake-up per batch: a step hands
+    out an event to each of its slots, and a call_soon_threadsafe each (a write to the loop's wake-up pipe,
+    the loop woken up again and again) costs more than the delivery at 64 slots."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+
+    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        with self._lock:
+            ring = not self._pending  # the first since the last delivery schedules it
+            self._pending.append((queue, item))
+        if ring:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed: its queues have no readers left
+                with self._lock:
+                    self._pending.clear()
+                raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_doorbells: dict[asyncio.AbstractEventLoop, Doorbell] = {}
+
+
+def _doorbell(loop: asyncio.AbstractEventLoop) -> Doorbell:
+    bell = _doorbells.get(loop)
+    if bell is None:
+        for old in [old for old in _doorbells if old.is_closed()]:  # test clients make and close loops
+            del _doorbells[old]
+        bell = _doorbells[loop] = Doorbell(loop)
+    return bell
+
+
 def _subscribe(engine: Engine, job: Job, ticket: Ticket) -> asyncio.Queue[Any]:
     """Submit every task; their events arrive in one queue as (task index, event)."""
-    loop = asyncio.get_running_loop()
+    bell = _doorbell(asyncio.get_running_loop())
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def emitter(i: int) -> Callable[[Event], None]:
-        return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (i, event))
+        return lambda event: bell.post(queue, (i, event))
 
     if ticket.interrupted:  # ended while it was being tokenized
         raise Unavailable(ticket.interrupted)
@@ -117,21 +159,26 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
             yield sse(obj)
     results: dict[int, Result] = {}
     failed = False
-    while len(results) < len(formats):
-        item = await queue.get()
-        i, event = item if isinstance(item, tuple) else (-1, item)
-        if isinstance(event, Chunk):
-            obj = formats[i].chunk(event)
-            if obj is not None:
-                yield sse(obj)
-        elif isinstance(event, Result):
-            results[i] = event
-            for obj in formats[i].final(event):
-                yield sse(obj)
-        else:  # Failure, or the server ending the stream
-            yield sse(error_body(503 if isinstance(event, Interrupted) else 500, event.message))
-            failed = True
-            break
+    while len(results) < len(formats) and not failed:
+        items = [await queue.get()]
+        while not queue.empty():  # what else arrived meanwhile goes out in the same send (a loop that lags
+            items.append(queue.get_nowait())  # behind the steps catches up in fewer, larger writes)
+        out: list[str] = []
+        for item in items:
+            i, event = item if isinstance(item, tuple) else (-1, item)
+            if isinstance(event, Chunk):
+                obj = formats[i].chunk(event)
+                if obj is not None:
+                    out.append(sse(obj))
+            elif isinstance(event, Result):
+                results[i] = event
+                out += [sse(obj) for obj in formats[i].final(event)]
+            else:  # Failure, or the server ending the stream
+                out.append(sse(error_body(503 if isinstance(event, Interrupted) else 500, event.message)))
+                failed = True
+                break
+        if out:
+            yield "".join(out)
     if not failed:
         ordered = [results[i] for i in range(len(formats))]
         _note(request, ordered)
