@@ -1,18 +1,21 @@
 """CPU speed side by side with llama.cpp on the same GGUF file, in one run: prompt processing (ppN) and
-decode (tgN) tokens/s for specserve (each weight format) and for llama.cpp through llama-cpp-python.
+decode (tgN) tokens/s for specserve (each weight format) and for llama.cpp's own llama-bench.
 
     python benchmarks/cpu_bench.py -m smollm2-135m --threads 2
 
-llama.cpp lives in the benchmark's own environment, never a dependency of specserve; make it once with
-    python3 -m venv ~/.cache/specserve/llamacpp-venv
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \
-        ~/.cache/specserve/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36
-(built from source). On a CPU that reports AMX inside a VM, a native build can crash in its first batch of
-several tokens (AMX tiles the guest may not use); then build without AMX and list the ISA instead:
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-        -DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF \
-        -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF" ~/.cache/specserve/llamacpp-venv/bin/pip \
-        install --force-reinstall --no-deps llama-cpp-python==0.3.36
+llama.cpp is never a dependency of specserve. The reference is llama-bench built from the source vendored in the
+llama-cpp-python sdist (default path below, or --llama-bench):
+    pip download --no-deps --no-binary :all: -d /tmp llama-cpp-python==0.3.36
+    mkdir -p ~/.cache/specserve && tar xzf /tmp/llama_cpp_python-0.3.36.tar.gz -C ~/.cache/specserve
+    cd ~/.cache/specserve/llama_cpp_python-0.3.36/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        && cmake --build build -j --target llama-bench
+On a CPU that reports AMX inside a VM a native build can crash in its first batch (AMX tiles the guest may not
+use): build with -DGGML_NATIVE=OFF and the ISA listed instead (-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_INT8=OFF
+-DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF). Without llama-bench, llama-cpp-python in ~/.cache/specserve/llamacpp-venv
+is timed instead, flagged in the table: its per-token eval() understates llama.cpp's decode several times
+(smollm2 on the 2-core Xeon: 28 tok/s against llama-bench's 130).
 A format "<fmt>-exact" times <fmt> with SPECSERVE_CPU_EXACT=1 (the exact fp32 kernel instead of the int8 one).
 Both sides evaluate tokens without sampling for pp and tg, as llama-bench does; specserve's
 tg also goes through its scheduler (`bench_decode`, host work included). Prints a table, writes JSON (-o,
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 from bench_output import output_path, print_table, write_json
 
-from specserve import catalog
+from specserve import catalog, foreign_env
 from specserve.cli.measure import bench_decode, bench_prefill
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
@@ -57,16 +60,32 @@ print(json.dumps({"pp": best_pp, "tg": best_tg}))
 """
 
 
+LLAMA_BENCH = (catalog.cache_dir() / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+               / "llama-bench")
+
+
+def llama_bench(binary: Path, path: Path, threads: int, pp: int, tg: int, reps: int) -> dict[str, float] | None:
+    out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", str(pp), "-n", str(tg),
+                          "-r", str(reps), "-o", "json"], capture_output=True, text=True, timeout=1800,
+                         env=foreign_env())
+    if out.returncode != 0:
+        print(f"llama-bench failed: {out.stderr[-2000:]}")
+        return None
+    runs = json.loads(out.stdout)
+    rate = {("pp" if r["n_prompt"] else "tg"): float(r["avg_ts"]) for r in runs}
+    return {"pp": rate["pp"], "tg": rate["tg"], "via": "llama-bench"}
+
+
 def llama_cpp(path: Path, threads: int, pp: int, tg: int, reps: int) -> dict[str, float] | None:
     if not LLAMA_VENV.exists():
-        print(f"llama.cpp skipped: no {LLAMA_VENV} (see this script's docstring)")
+        print(f"llama.cpp skipped: no llama-bench and no {LLAMA_VENV} (see this script's docstring)")
         return None
     out = subprocess.run([str(LLAMA_VENV), "-c", LLAMA_SCRIPT, str(path), str(threads), str(pp), str(tg), str(reps)],
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, env=foreign_env())
     if out.returncode != 0:
         print(f"llama.cpp failed: {out.stderr[-2000:]}")
         return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "via": "llama-cpp-python"}
 
 
 def main() -> None:
@@ -77,6 +96,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2, help="best of")
     ap.add_argument("--formats", default="auto,float", help="specserve weight formats to time")
+    ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="llama.cpp's llama-bench binary")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -95,9 +115,13 @@ def main() -> None:
                      f"tg{args.n_gen}": round(tg, 1)})
         del runner
     os.environ.pop("SPECSERVE_CPU_EXACT", None)
-    ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
+    if args.llama_bench.exists():
+        ref = llama_bench(args.llama_bench, path, args.threads, args.n_prompt, args.n_gen, args.reps)
+    else:
+        ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
     if ref is not None:
-        rows.append({"engine": "llama.cpp", f"pp{args.n_prompt}": round(ref["pp"], 1),
+        name = "llama.cpp" if ref["via"] == "llama-bench" else "llama.cpp (python eval)"
+        rows.append({"engine": name, f"pp{args.n_prompt}": round(ref["pp"], 1),
                      f"tg{args.n_gen}": round(ref["tg"], 1)})
         for row in rows[:-1]:
             row["pp_vs_llamacpp"] = round(row[f"pp{args.n_prompt}"] / ref["pp"], 2)

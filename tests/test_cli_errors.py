@@ -76,3 +76,16 @@ def test_devices_this_machine_cannot_run_are_clear_errors(smollm_path: Path) -> 
         # the server refuses before it listens, in one line
         assert_clean_error(run_cli("serve", "-m", str(smollm_path), "--device", "cuda", "--port", "0"),
                            "--device cuda")
+
+
+def test_foreign_processes_get_the_environment_without_specserves_thread_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """specserve sets OMP_WAIT_POLICY=PASSIVE for itself; a reference engine started by a benchmark
+    (llama.cpp decodes ~4x slower under it) gets the variable only where the user had set it."""
+    import specserve
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(specserve, "OMP_WAIT_POLICY_SET", True)
+    assert "OMP_WAIT_POLICY" not in specserve.foreign_env()
+    monkeypatch.setattr(specserve, "OMP_WAIT_POLICY_SET", False)  # the user's own setting stays
+    assert specserve.foreign_env()["OMP_WAIT_POLICY"] == "PASSIVE"
