@@ -35,7 +35,7 @@ BUILDS = (
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
 SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c")
-HEADERS = ("pool.h", "simd.h")
+HEADERS = ("packed.h", "pool.h", "simd.h")
 _lock = threading.Lock()
 
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "packed.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -75,13 +76,10 @@ static void quantize_row(const float* x, const int32_t* perm, int chunks, int fi
 }
 
 typedef struct {
-    const int32_t* words;
-    const uint16_t* sm;
-    const int8_t* xq;
-    const float* dx;
-    const float* xs;
-    float* out;
-    int rows, n, words_per_row, groups_per_row, regs, words_per_group, chunks;
+    packed_product p;
+    const int8_t* xq;  // the rounded activations, dx their scales, xs dx * their sums (quantize_row)
+    const float *dx, *xs;
+    int regs;
 } job;
 
 // One vector (s) of a chunk of one weight row against ROWS activation rows: the integer dot products per lane,
@@ -90,7 +88,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void chunk(const job* a, int c, int s, vi wv, vf sm, vi scale_idx,
                                                         vi min_idx, vf* acc, vf* acc_min, const int ROWS,
                                                         const int REGS) {
-    const int64_t q_row = (int64_t)a->chunks * REGS * 64, f_row = (int64_t)a->chunks * 16;
+    const int64_t q_row = (int64_t)a->p.chunks * REGS * 64, f_row = (int64_t)a->p.chunks * 16;
     const vf scale = v_pick(sm, scale_idx), mins = v_pick(sm, min_idx);
     const vi nibble = vi_set1(0x0F0F0F0F);
     const vi lo = REGS == 2 ? vi_and(wv, nibble) : wv;
@@ -108,7 +106,7 @@ static inline __attribute__((always_inline)) void chunk(const job* a, int c, int
 // both compile-time constants once inlined. Whole chunks load without masks; only the last may be partial.
 static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, int r1, const int ROWS,
                                                           const int REGS) {
-    const int wpg = a->words_per_group, groups_per_chunk = 16 / wpg, whole = a->words_per_row / 16;
+    const int wpg = a->p.words_per_group, groups_per_chunk = 16 / wpg, whole = a->p.words_per_row / 16;
     int scale_lane[16], min_lane[16], first[CHUNK_VECS];
     sm_lanes(wpg, scale_lane, min_lane, first);
     vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
@@ -116,13 +114,13 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
         scale_idx[s] = vi_load(scale_lane + VL * s);
         min_idx[s] = vi_load(min_lane + VL * s);
     }
-    const int left = a->words_per_row - 16 * whole, groups_left = a->groups_per_row - groups_per_chunk * whole;
+    const int left = a->p.words_per_row - 16 * whole, groups_left = a->p.groups_per_row - groups_per_chunk * whole;
     for (int r = r0; r < r1; ++r) {
         vf acc[CHUNK_VECS][ROWS], acc_min[CHUNK_VECS][ROWS];
         for (int s = 0; s < CHUNK_VECS; ++s)
             for (int m = 0; m < ROWS; ++m) acc[s][m] = acc_min[s][m] = v_zero();
-        const int32_t* wr = a->words + (int64_t)r * a->words_per_row;
-        const uint16_t* sr = a->sm + (int64_t)r * a->groups_per_row * 2;
+        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
+        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
         for (int c = 0; c < whole; ++c) {
             // a chunk is one cache line of words: fetch the line PREFETCH bytes ahead (the next rows of this
             // thread's block), and its scales; decode streams the weights from memory once a token
@@ -141,7 +139,7 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
         for (int m = 0; m < ROWS; ++m) {
             vf t = v_sub(acc[0][m], acc_min[0][m]);
             for (int s = 1; s < CHUNK_VECS; ++s) t = v_add(t, v_sub(acc[s][m], acc_min[s][m]));
-            a->out[(int64_t)m * a->n + r] = v_reduce_add(t);
+            a->p.out[(int64_t)m * a->p.n + r] = v_reduce_add(t);
         }
     }
 }
@@ -156,7 +154,7 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
 
 static void run_rows(void* p, int r0, int r1) {
     const job* a = (const job*)p;
-    switch (a->rows) {
+    switch (a->p.rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
         ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12) ROWS_CASE(13) ROWS_CASE(14) ROWS_CASE(15)
         ROWS_CASE(16)
@@ -175,7 +173,7 @@ int q_gemv_i8(const int32_t* words, const uint16_t* sm, const float* x_rows, con
     float* xs = dx + rows * f_row;
     for (int m = 0; m < rows; ++m)
         quantize_row(x_rows + (int64_t)m * k, perm, chunks, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
-    job a = {words, sm, xq, dx, xs, out, rows, n, words_per_row, groups_per_row, regs, words_per_group, chunks};
+    job a = {{words, sm, out, rows, n, words_per_row, groups_per_row, words_per_group, chunks}, xq, dx, xs, regs};
     pool_run(threads, n, pool_block(n, threads, 16), run_rows, &a);
     return 0;
 }

@@ -7,25 +7,23 @@
 // `threads` threads (pool.h). The caller splits more rows.
 #include <stdint.h>
 
+#include "packed.h"
 #include "pool.h"
 #include "simd.h"
 
 typedef struct {
-    const int32_t* words;
-    const uint16_t* sm;
-    const float* xp;
-    const float* xs;
-    float* out;
-    int rows, n, words_per_row, groups_per_row, bits, words_per_group, chunks;
+    packed_product p;
+    const float *xp, *xs;  // the activations in the kernel's order, and their sums per lane
+    int bits;
 } job;
 
 static void run_rows(void* p, int r0, int r1) {
     const job* a = (const job*)p;
-    const int bits = a->bits, fields = 32 / bits, rows = a->rows, chunks = a->chunks;
-    const int groups_per_chunk = 16 / a->words_per_group;
+    const int bits = a->bits, fields = 32 / bits, rows = a->p.rows, chunks = a->p.chunks;
+    const int groups_per_chunk = 16 / a->p.words_per_group;
     const vi field_mask = vi_set1((1 << bits) - 1);
     int scale_lane[16], min_lane[16], first[CHUNK_VECS];
-    sm_lanes(a->words_per_group, scale_lane, min_lane, first);
+    sm_lanes(a->p.words_per_group, scale_lane, min_lane, first);
     vi scale_idx[CHUNK_VECS], min_idx[CHUNK_VECS];
     for (int s = 0; s < CHUNK_VECS; ++s) {
         scale_idx[s] = vi_load(scale_lane + VL * s);
@@ -35,11 +33,11 @@ static void run_rows(void* p, int r0, int r1) {
         vf total[CHUNK_VECS][16];
         for (int s = 0; s < CHUNK_VECS; ++s)
             for (int m = 0; m < rows; ++m) total[s][m] = v_zero();
-        const int32_t* wr = a->words + (int64_t)r * a->words_per_row;
-        const uint16_t* sr = a->sm + (int64_t)r * a->groups_per_row * 2;
+        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
+        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
         for (int c = 0; c < chunks; ++c) {
-            const int left = a->words_per_row - 16 * c;
-            const int groups_left = a->groups_per_row - groups_per_chunk * c;
+            const int left = a->p.words_per_row - 16 * c;
+            const int groups_left = a->p.groups_per_row - groups_per_chunk * c;
             const int groups = groups_left < groups_per_chunk ? groups_left : groups_per_chunk;
             for (int s = 0; s < CHUNK_VECS; ++s) {
                 const vi wv = vi_load_n(wr + 16 * c + VL * s, left - VL * s);
@@ -70,7 +68,7 @@ static void run_rows(void* p, int r0, int r1) {
         for (int m = 0; m < rows; ++m) {
             vf t = total[0][m];
             for (int s = 1; s < CHUNK_VECS; ++s) t = v_add(t, total[s][m]);
-            a->out[(int64_t)m * a->n + r] = v_reduce_add(t);
+            a->p.out[(int64_t)m * a->p.n + r] = v_reduce_add(t);
         }
     }
 }
@@ -95,6 +93,6 @@ void q_gemv(const int32_t* words, const uint16_t* sm, const float* x_rows, const
             }
         }
     }
-    job a = {words, sm, xp, xs, out, rows, n, words_per_row, groups_per_row, bits, words_per_group, chunks};
+    job a = {{words, sm, out, rows, n, words_per_row, groups_per_row, words_per_group, chunks}, xp, xs, bits};
     pool_run(threads, n, pool_block(n, threads, 16), run_rows, &a);
 }
