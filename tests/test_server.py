@@ -241,6 +241,38 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
     assert sum(shared_turns) > 0 and all(t >= 0 for t in shared_turns)  # the gate's choices are counted
 
 
+@pytest.fixture(scope="module")
+def always_drafting() -> Iterator[ServerProcess]:
+    """A server whose slots draft whenever a speculator has a draft (no draft gate): drafts are certain."""
+    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", str(N_SLOTS), "-c", str(N_SLOTS * SLOT_CTX),
+                        "--draft-policy", "always")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("spec_type", ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix"])
+def test_greedy_alone_equals_concurrent_with_each_speculative_type(always_drafting: ServerProcess,
+                                                                   spec_type: str) -> None:
+    """spec/server.md: a greedy request's text does not depend on how many others run nor on speculation. Each
+    prompt alone without speculation is the reference; all of them at once (more than the slots) with the type
+    give the same texts (on the CPU every kernel is per-row; on CUDA this needs --batch-invariant)."""
+    server = always_drafting
+    prompts = ["The capital of France is", "def fibonacci(n):", REPEATING, "1, 2, 3, 4, 5,", REPEATING + " a b",
+               "Once upon a time"]
+    alone = [server.complete(p, n_predict=16, cache_prompt=False, **{"speculative.n_max": 0})["content"]
+             for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: server.complete(p, n_predict=16, cache_prompt=False,
+                                                           **{"speculative.type": spec_type,
+                                                              "speculative.ngram_size_n": 3,
+                                                              "speculative.ngram_size_m": 8}), prompts))
+    assert [r["content"] for r in together] == alone
+    if spec_type in ("ngram-simple", "ngram-map-k", "ngram-suffix"):  # (the other two find nothing to draft here)
+        assert sum(r["timings"]["draft_n"] for r in together) > 0  # the texts came through verified drafts
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 
 
