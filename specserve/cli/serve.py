@@ -176,8 +176,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, args.api_key, on_load_error=on_load_error)
+    # asyncio's own loop even where uvloop is installed (the GPU image has it): it measured no gain over httptools
+    # alone (docs/perf.md), and one loop everywhere keeps the server's behaviour alike across machines.
     config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, loop="asyncio")
     server = GracefulServer(config, app.state.server.admission, args.shutdown_grace)
     print(f"specserve: starting on {', '.join(listen.urls(hosts, args.port))} — loading "
           f"{args.model or 'the default model'} (GET /health says 503 until ready)", file=sys.stderr, flush=True)
