@@ -159,7 +159,8 @@ def test_save_restore_round_trip_continues_alike(sched: Scheduler, tokenizer: To
 
 def test_a_busy_slots_job_waits_until_it_is_idle(sched: Scheduler, tokenizer: Tokenizer) -> None:
     events: queue.Queue = queue.Queue()
-    handle = sched.submit(Task(tokenizer.encode("Count: 1, 2, 3,"), GREEDY, SpecParams(n_max=0), n_predict=40),
+    # (far more tokens than 0.3 s decodes on a fast CPU: the slot must still be busy when the wait ends)
+    handle = sched.submit(Task(tokenizer.encode("Count: 1, 2, 3,"), GREEDY, SpecParams(n_max=0), n_predict=600),
                           events.put)
     while not isinstance(events.get(timeout=60), Chunk):  # generating now
         pass
