@@ -17,9 +17,14 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=600)
 
 
-def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """The cheap equivalent of the end-to-end run below: one speculative type, one pass."""
+def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cheap equivalent of the end-to-end run below: one speculative type, one pass. Its own code-edit prompt,
+    so the test does not depend on where the checkout sits beside ../shared."""
+    workloads = tmp_path / "prompts.json"
+    edit = "Rename x to count in:\ndef f(x):\n    return x + x\n"
+    workloads.write_text(json.dumps({"code_edit": [{"messages": [{"role": "user", "content": edit}]}]}))
+    monkeypatch.setenv("SPECSERVE_WORKLOADS", str(workloads))
     out = tmp_path / "bench.json"
     assert main(["bench", "-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
                  "--spec-types", "ngram-suffix", "--repeat", "1", "-o", str(out)]) == 0
