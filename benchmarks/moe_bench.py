@@ -1,7 +1,8 @@
 """Mixture of experts: the fused routing kernel against the torch ops it replaces, and decode speed of a
 Qwen3-30B-A3B-shaped model against the roofline of the bytes a step needs.
 
-    python benchmarks/moe_bench.py [-o FILE] [--sections routing,decode] [--layers 12] [--weight-format q8]
+    python benchmarks/moe_bench.py [-o FILE] [--sections routing,experts,decode,profile] [--layers 12]
+                                   [--weight-format q8]
     python benchmarks/moe_bench.py --device cpu --small          # smoke test: tiny shapes, eager
 
 routing: us per call of `route` (the fused Triton kernel where it runs) against route_ref (the torch
@@ -10,11 +11,15 @@ routing: us per call of `route` (the fused Triton kernel where it runs) against 
          Qwen3-30B-A3B (128 experts, top 8, softmax, norm), DeepSeek-V3 (256, top 8, sigmoid + bias, norm,
          scale 2.5) and gpt-oss (32 and 128 experts, top 4, delayed softmax). On CUDA: GPU time of graph
          replays (launch cost amortised); on the CPU: wall time.
+experts: the expert products alone at 1 / 16 tokens (q8 experts of Qwen3-30B-A3B's shape, 8 of 128 per token):
+         the dispatcher's path (the CUDA tensor-core pairs where they run) against the Triton pairs, GPU us and
+         the bandwidth of the chosen experts' bytes.
 decode:  random weights in Qwen3-30B-A3B's shapes with --layers layers (hidden 2048, 128 experts, 8 used,
          expert FFN 768, 32 query / 4 KV heads of 128, vocab 151936) through LocalRunner and the scheduler:
          greedy tok/s at 1 and 16 concurrent sequences, with CUDA graphs and eagerly, and the fraction of the
          roofline = copy bandwidth / bytes the step needs (attention, router, norm and output weights, the
          embedding rows, and in each layer the experts the step's tokens chose, counted from its routing).
+profile: the decode step's kernels at 1 row (torch.profiler over graph replays): GPU us per step each.
 Prints a table per section; writes JSON (-o, default moe_bench_<device>.json in the cache's benchmarks
 folder: bench_output.py).
 """
@@ -104,6 +109,57 @@ def section_routing(device: torch.device, tokens: list[int]) -> list[dict[str, o
             rows.append(row)
     print_table(rows, ["routing", "experts", "k", "tokens", "kernel", "ids_match", "route_us", "torch_chain_us",
                        "route_ref_us", "vs_chain", "vs_ref"])
+    return rows
+
+
+def section_experts(args: argparse.Namespace, device: torch.device, tokens: list[int]) -> list[dict[str, object]]:
+    from specserve.kernels.moe_experts import moe_experts
+
+    cfg = moe_config(None, args.small)
+    e, f, h, k = cfg.n_expert, cfg.expert_ffn, cfg.hidden, cfg.n_expert_used
+    gen = torch.Generator(device=device).manual_seed(2)
+    gate_up = QuantExperts.quantize_q8(torch.randn(e, 2 * f, h, device=device, generator=gen) * h**-0.5)
+    down = QuantExperts.quantize_q8(torch.randn(e, h, f, device=device, generator=gen) * f**-0.5)
+    dtype = default_dtype(device)
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, h, device=device, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(e, device=device, generator=gen)[:k] for _ in range(n)])
+        weights = torch.rand(n, k, device=device, generator=gen)
+        chosen_bytes = ids.unique().numel() * (gate_up.n_bytes() + down.n_bytes()) // e
+        row: dict[str, object] = {"tokens": n, "experts_read": ids.unique().numel(), "MB": round(chosen_bytes / 1e6, 1)}
+        paths: list[tuple[str, Callable]] = [("dispatch", moe_experts)]
+        if triton_enabled(x):
+            from specserve.kernels import moe_experts_triton
+
+            paths.append(("triton_pairs", moe_experts_triton.pairs))
+        for label, fn in paths:
+            us = call_us(lambda fn=fn, x=x, ids=ids, w=weights: fn(x, ids, w, gate_up, down), device)
+            row[f"{label}_us"] = round(us, 1)
+            row[f"{label}_GB_s"] = round(chosen_bytes / us / 1e3, 1)
+        rows.append(row)
+    print_table(rows, list(rows[0]))
+    return rows
+
+
+def section_profile(args: argparse.Namespace, device: torch.device) -> list[dict[str, object]]:
+    """GPU time per decode step of each kernel (by name) at one row, CUDA graphs on where they run (on the
+    CPU: each op's own CPU time)."""
+    runner = random_runner(args, device, 1)
+    runner.warmup(1, prompt_rows=0)
+    decode_rate(runner, 1, args.n_predict)
+    activities = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with torch.profiler.profile(activities=activities or None) as prof:
+        decode_rate(runner, 1, args.n_predict)
+    steps = args.n_predict + 8  # decode_rate runs a short warm pass of 8, then n_predict
+    def own_us(ev: object) -> float:  # the CPU's own time per op where there is no device
+        return getattr(ev, "self_device_time_total" if activities else "self_cpu_time_total")
+
+    rows = [{"kernel": ev.key[:90], "calls_per_step": round(ev.count / steps, 1),
+             "us_per_step": round(own_us(ev) / steps, 1)} for ev in prof.key_averages() if own_us(ev) > 0]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    print_table(rows[:25], ["kernel", "calls_per_step", "us_per_step"])
+    print(f"total us per step: {sum(r['us_per_step'] for r in rows):.1f}")
     return rows
 
 
@@ -205,17 +261,24 @@ def experts_per_layer(runner: LocalRunner, rows: int) -> list[int]:
     return counts
 
 
-def section_decode(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+def random_runner(args: argparse.Namespace, device: torch.device, n_seqs: int) -> LocalRunner:
+    """The Qwen3-30B-A3B-shaped model in random weights (--weight-format: float, q8 or gguf_like)."""
     cfg = moe_config(args.layers, args.small)
-    row_counts = [int(r) for r in args.rows.split(",")]
     weights = random_moe_weights(cfg, default_dtype(device), device)
     if args.weight_format == "gguf_like":  # attention and output as a Q4_K_M file holds them (4-bit, 6-bit)
         for layer in weights.layers:
             layer.wqkv, layer.wo = quantize_groups(layer.wqkv, 4, 32), quantize_groups(layer.wo, 4, 32)
         weights.output = quantize_groups(weights.output, 6, 16)
     fmt = "float" if args.weight_format == "gguf_like" else args.weight_format
-    runner = LocalRunner.from_weights(cfg, weights, n_seqs=max(row_counts), n_ctx=args.n_predict + 64,
-                                      weight_format=fmt)
+    return LocalRunner.from_weights(cfg, weights, n_seqs=n_seqs, n_ctx=args.n_predict + 64, weight_format=fmt)
+
+
+def decode_table(runner: LocalRunner, row_counts: list[int], n_predict: int) -> dict[str, object]:
+    """Greedy tok/s at each row count, with CUDA graphs and eagerly, against the roofline of the bytes a
+    step reads (the experts its tokens chose counted per layer)."""
+    cfg = runner.config
+    assert isinstance(cfg, MoeConfig)
+    device = runner.device
     t0 = time.perf_counter()
     runner.warmup(max(row_counts), prompt_rows=0)
     warmup_s = time.perf_counter() - t0
@@ -229,7 +292,7 @@ def section_decode(args: argparse.Namespace, device: torch.device) -> dict[str, 
     for mode in modes:
         runner.graphs = graphs if mode == "graphs" else None
         for rows in row_counts:
-            tok_s = decode_rate(runner, rows, args.n_predict)
+            tok_s = decode_rate(runner, rows, n_predict)
             chosen = experts_per_layer(runner, rows)
             step_bytes = fixed + rows * embed_row + sum(c * b // cfg.n_expert for c, b in zip(chosen, expert_bytes,
                                                                                                 strict=True))
@@ -242,9 +305,20 @@ def section_decode(args: argparse.Namespace, device: torch.device) -> dict[str, 
     runner.graphs = graphs
     print_table(rows_out, ["mode", "rows", "tok_s", "ms_per_step", "experts_per_layer", "step_GB", "roofline_tok_s",
                            "roofline_fraction"])
-    return {"config": dataclasses.asdict(cfg), "weight_format": args.weight_format, "warmup_s": round(warmup_s, 1),
+    return {"config": dataclasses.asdict(cfg), "weight_format": runner.weight_format, "warmup_s": round(warmup_s, 1),
             "weight_GB": round(runner.weights.n_bytes() / 1e9, 3), "all_experts_GB": round(sum(expert_bytes) / 1e9, 3),
             "copy_bandwidth_gb_s": round(bw / 1e9, 1), "rows": rows_out}
+
+
+def section_decode(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if args.gguf:
+        runner = LocalRunner(args.gguf, n_seqs=max(row_counts), n_ctx=args.n_predict + 64, device=device,
+                             weight_format="gguf", progress=False)
+    else:
+        runner = random_runner(args, device, max(row_counts))
+    result = decode_table(runner, row_counts, args.n_predict)
+    return {**result, "weight_format": args.weight_format if not args.gguf else f"gguf ({args.gguf})"}
 
 
 def main() -> None:
@@ -257,6 +331,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decode: layers (default 12; 2 with --small)")
     ap.add_argument("--small", action="store_true", help="decode: tiny shapes (a smoke test on the CPU)")
     ap.add_argument("-n", "--n-predict", type=int, default=32, help="decode: tokens per sequence")
+    ap.add_argument("--gguf", default=None, help="decode: a qwen3moe / qwen2moe GGUF file instead of random weights "
+                    "(its own weight format)")
     ap.add_argument("--weight-format", default="float", choices=("float", "q8", "gguf_like"),
                     help="decode: the runner's weight format (gguf_like: attention and output quantized as a "
                     "Q4_K_M file holds them)")
@@ -271,8 +347,12 @@ def main() -> None:
             result["routing"] = section_routing(device, [int(n) for n in args.tokens.split(",")])
         elif section == "decode":
             result["decode"] = section_decode(args, device)
+        elif section == "experts":
+            result["experts"] = section_experts(args, device, [1, 16])
+        elif section == "profile":
+            result["profile"] = section_profile(args, device)
         else:
-            raise SystemExit(f"unknown section '{section}' (routing, decode)")
+            raise SystemExit(f"unknown section '{section}' (routing, experts, decode, profile)")
         sync(device)
     write_json(output_path(args.output, f"moe_bench_{device.type}.json"), result)
 

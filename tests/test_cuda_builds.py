@@ -157,6 +157,12 @@ def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatc
             quant_cuda.gemv(torch.zeros(rows, 2 * k, dtype=torch.bfloat16), weight(40, k, 4, 16, 15),
                             torch.zeros(40, dtype=torch.bfloat16), True, torch.float32, kernel="gemv_q")
     assert {key[0] for key in keys} == {"gemv_mma", "gemv_q"} and len(keys) == 2 * 16 * 5
-    assert {key[-1] for key in keys if key[0] == "gemv_mma"} == {1, 4}  # KC: clusters split down's K
+    assert {key[-2] for key in keys if key[0] == "gemv_mma"} == {1, 4}  # KC: clusters split down's K
+    ids = torch.zeros(3, 8, dtype=torch.long)  # mixture-of-experts pairs: 3 tokens x 8 slots of 4 experts
+    act = quant_cuda.expert_gemv(torch.zeros(3, k, dtype=torch.bfloat16), ids, weight(4 * 64, k, 4, 32, 15), 4,
+                                 torch.bfloat16, by_token=True, swiglu_output=True)
+    assert act.shape == (24, 32)
+    quant_cuda.expert_gemv(act, ids, weight(4 * k, 32, 8, 32, 255), 4, torch.float32, by_token=False)
+    assert [key[-1] for key in keys[-2:]] == [8, 1]  # EXPERTS: x rows per pair divisor
     for key in set(keys):
         assert not set(re.findall(r"__[A-Z][A-Z0-9_]*__", build.kernel_source(key))) - {"__CUDA_ARCH__"}, key

@@ -1,4 +1,5 @@
-"""Packed experts (QuantExperts) and the grouped Triton kernels of moe_experts_triton.py.
+"""Packed experts (QuantExperts), the Triton kernels of moe_experts_triton.py and the CUDA tensor-core pairs
+of moe_experts_cuda.py.
 
 The kernels run against moe_experts_ref over the same experts dequantized, on fresh random packed
 weights: the few-token path (one program per pair) and the grouped GEMM of prefill, 1..70 tokens, k 1..8,
@@ -6,7 +7,8 @@ several expert counts, repeated expert ids. They run on CUDA, or on the CPU unde
 (TRITON_INTERPRET=1), and skip elsewhere; the layout and loader tests run everywhere. A tiny MoE GGUF in
 Q4_0 / Q8_0 with --weight-format gguf keeps its experts packed where the kernels run and computes what
 the same experts in float compute; on a plain CPU its experts are dequantized at load and the greedy text
-is the float runner's.
+is the float runner's. On CUDA, shapes in whole tensor-core steps take the CUDA pairs for few tokens: they
+match the reference and the Triton pairs, and a token's row is the same alone or in a batch, bit for bit.
 """
 
 from __future__ import annotations
@@ -148,6 +150,34 @@ def test_a_token_computes_the_same_alone_or_in_a_batch() -> None:
     batch = moe_experts(x, ids, weights, gate_up, down)
     alone = moe_experts(x[4:5], ids[4:5], weights[4:5], gate_up, down)
     assert torch.equal(batch[4:5], alone)
+
+
+@needs_kernels
+def test_slot_sum_adds_each_tokens_slots_in_order() -> None:
+    from specserve.kernels.moe_experts_triton import slot_sum
+
+    gen = torch.Generator().manual_seed(5)
+    per_pair = torch.randn(7 * 4, 300, generator=gen).to(DEVICE)
+    weights = torch.rand(7, 4, generator=gen).to(DEVICE)
+    got = slot_sum(per_pair, weights, torch.float32)
+    want = sum(weights[:, j, None] * per_pair.view(7, 4, -1)[:, j] for j in range(4))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(slot_sum(per_pair[8:12], weights[2:3], torch.float32), got[2:3])
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and CUDA), reason="needs CUDA")
+@pytest.mark.parametrize("fmts", [("q8", "q8"), ("q4k", "q6k"), ("q4_0", "q8")])
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_tensor_core_pairs_match_the_reference_and_the_triton_pairs(n: int, fmts: tuple[str, str]) -> None:
+    from specserve.kernels import moe_experts_triton, quant_cuda
+
+    x, ids, weights, gate_up, down = case(n, 8, 32, fmts, seed=n, hidden=512, ffn=256)
+    assert quant_cuda.experts_usable(x, gate_up.w, down.w)
+    got = moe_experts(x, ids, weights, gate_up, down)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert rel_err(got, reference(x, ids, weights, gate_up, down)) < TOL
+    assert rel_err(got, moe_experts_triton.pairs(x, ids, weights, gate_up, down)) < TOL
+    assert torch.equal(got[n - 1 :], moe_experts(x[n - 1 :], ids[n - 1 :], weights[n - 1 :], gate_up, down))
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and CUDA), reason="needs CUDA")

@@ -3,7 +3,8 @@
 Expert weights are stacked as in GGUF: gate_up [n_expert, 2 ffn, hidden] ([gate | up] along dim 1) and down
 [n_expert, hidden, ffn], either float tensors or packed (`QuantExperts`: one QuantWeight holding every
 expert's rows, expert e's at a fixed offset). `moe_experts` dispatches: packed experts where Triton runs go
-to the grouped kernels of moe_experts_triton.py, which read only the chosen experts' packed weights; float
+to kernels that read only the chosen experts' packed weights (few tokens in bf16 on CUDA: the tensor-core
+pairs of moe_experts_cuda.py; otherwise the Triton kernels of moe_experts_triton.py); float
 experts go through torch (`moe_experts_ref`), grouped by expert. Either way each (token, slot) pair's
 output is its own and a token's slots are summed in slot order, so the sum does not depend on how the
 pairs were grouped. `NormMoeAdd` is the decoder-step op (kernels.linear's ResidualStream): RMSNorm,
@@ -127,8 +128,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         if ids.shape[0] == 0:
             return x.new_zeros(x.shape)
         if triton_enabled(x):
-            from specserve.kernels import moe_experts_triton
+            from specserve.kernels import moe_experts_cuda, moe_experts_triton, quant_cuda
 
+            if ids.shape[0] <= moe_experts_triton.MAX_PAIR_TOKENS and quant_cuda.experts_usable(x, w_gate_up.w,
+                                                                                                 w_down.w):
+                return moe_experts_cuda.pairs(x, ids, weights, w_gate_up.w, w_down.w, w_gate_up.n_expert)
             return moe_experts_triton.moe_experts(x, ids, weights, w_gate_up, w_down)
         # no Triton: every expert dequantized per call (loaders keep experts float on such devices)
         w_gate_up, w_down = w_gate_up.dequantize(x.dtype), w_down.dequantize(x.dtype)

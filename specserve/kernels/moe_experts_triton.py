@@ -10,7 +10,7 @@ not depend on the other pairs, so a verify step computes what decode steps compu
 Many tokens (prefill): the pairs are sorted by expert on the device and cut into tiles of BM pairs of
 one expert (`schedule`); one program per tile and block of outputs dequantizes that expert's weights once
 for the tile's rows and multiplies on tensor cores (a grouped GEMM); a token's slots are then summed in
-slot order by torch. Neither path reads anything back to the host, so both can be captured in a CUDA graph.
+slot order (`slot_sum`). Neither path reads anything back to the host, so both can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -55,13 +55,26 @@ def _pairs_down_kernel(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, N, K: t
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for slot in range(N_SLOTS):
+    for slot in tl.static_range(N_SLOTS):  # unrolled: every slot's weight loads in flight at once
         pair = token * N_SLOTS + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         y = _row_products(act_ptr + pair * (2 * K), w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G, True,
                           BLOCK_N, BLOCK_K)
         # each expert's output rounded to the activation dtype first, as the reference's product is
         acc += tl.load(wt_ptr + pair) * y.to(act_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _slot_sum_kernel(p_ptr, wt_ptr, out_ptr, N, N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[token] = sum over slots, in slot order, of wt[pair] * p[pair] (pair = token * N_SLOTS + slot)."""
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(N_SLOTS):
+        pair = token * N_SLOTS + slot
+        acc += tl.load(wt_ptr + pair) * tl.load(p_ptr + pair * N + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -184,5 +197,16 @@ def grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     _grouped_kernel[(tiles, triton.cdiv(hidden, cfg["BLOCK_N"]))](
         act, order, tile_expert, start, end, down.w.words, down.w.sm.view(torch.int32), per_pair, hidden,
         act.stride(0), two_ffn // 2, k, BY_TOKEN=False, SILU_IN=True, BITS=down.w.bits, G=down.w.group, **cfg)
-    weighted = per_pair.view(n, k, hidden).float() * weights.float()[..., None]
-    return weighted.sum(dim=1).to(x.dtype)
+    return slot_sum(per_pair, weights, x.dtype)
+
+
+def slot_sum(per_pair: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n * k, N] pair outputs -> [n, N] in dtype: each token's k slots weighted (weights [n, k]) and summed
+    in slot order in fp32, the same order for any n (torch's reductions choose theirs by shape)."""
+    n, k = weights.shape
+    width = per_pair.shape[1]
+    out = torch.empty((n, width), dtype=dtype, device=per_pair.device)
+    block = 64 if INTERPRET else 256
+    _slot_sum_kernel[(n, triton.cdiv(width, block))](per_pair.contiguous(), weights.float().contiguous(), out, width,
+                                                     k, BLOCK_N=block)
+    return out

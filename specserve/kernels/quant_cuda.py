@@ -60,7 +60,7 @@ def _available(name: str) -> bool:
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
     probe = {"gemv_q": ("gemv_q", 4, 4, 1, 1, 1, 1, False, False, False),
-             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, *[False] * 7, 0, 0, 1, 1)}[name]
+             "gemv_mma": ("gemv_mma", 4, 32, 1, 1, 1, 1, *[False] * 7, 0, 0, 1, 1, 0)}[name]
     try:
         build.prebuild([probe])  # one small variant, not all 16 row counts
     except Exception:  # no NVRTC, or a compiler that refuses the source: the Triton kernels run instead
@@ -79,15 +79,26 @@ def usable(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype
     bf16 activations on CUDA, an input size in whole 8-value steps, a working NVRTC; the tensor-core
     kernel needs groups of 4 or 8 words (4-bit / 32, 8-bit / 16 or 32), whole 16-word steps per row
     and an sm_80 or newer GPU."""
-    choice = kernel_choice()
-    if choice == "triton" or not _usable(x, bias, out_dtype):
+    if kernel_choice() == "triton" or not _usable(x, bias, out_dtype):
         return None
+    return _weight_kernel(w, x.device)
+
+
+def _weight_kernel(w: QuantWeight, device: torch.device) -> str | None:
     wpg = w.group * w.bits // 32
     n_groups = w.shape[1] // w.group
-    if (choice == "mma" and wpg in (4, 8) and n_groups % (16 // wpg) == 0
-            and build.tensor_cores(x.device.index or 0) and _available("gemv_mma")):
+    if (kernel_choice() == "mma" and wpg in (4, 8) and n_groups % (16 // wpg) == 0
+            and build.tensor_cores(device.index or 0) and _available("gemv_mma")):
         return "gemv_mma"
     return "gemv_q" if wpg in (2, 4, 8) and _available("gemv_q") else None
+
+
+def experts_usable(x: torch.Tensor, gate_up: QuantWeight, down: QuantWeight) -> bool:
+    """Whether `expert_gemv` takes both expert products (gate|up with its SwiGLU, then down) for x: bf16 on
+    CUDA, both matrices on the tensor-core kernel, an expert feed-forward size in whole 8-row tiles."""
+    ffn = down.shape[1]
+    return (kernel_choice() != "triton" and _usable(x, None, x.dtype) and ffn % 8 == 0
+            and all(_weight_kernel(w, x.device) == "gemv_mma" for w in (gate_up, down)))
 
 
 def norm_fusable(w: QuantWeight) -> bool:
@@ -155,13 +166,36 @@ def _flags(silu_input: bool, bias: torch.Tensor | None, out: torch.Tensor) -> tu
     return silu_input, bias is not None, out.dtype == torch.float32
 
 
+def expert_gemv(x: torch.Tensor, ids: torch.Tensor, w: QuantWeight, n_expert: int, out_dtype: torch.dtype, *,
+                by_token: bool, swiglu_output: bool = False) -> torch.Tensor:
+    """Mixture-of-experts pairs on the tensor-core kernel: for pair p (= token * k + slot, ids [n, k]),
+    out[p] = x_row @ W_e^T with e = ids[p] and W_e expert e's [N, K] rows of the stacked w [n_expert * N, K];
+    x_row is x[p // k] (by_token: gate|up) or x[p] (down). One row per pair (each pair's sums are its own, so a
+    verify step computes what decode steps compute), read where the ids are, on the device: graph-safe.
+    swiglu_output: W_e = [gate | up] -> silu(gate) * up, N / 2 wide."""
+    n_pairs = ids.numel()
+    x2 = _flat_rows(x)
+    assert ids.dtype == torch.int64, "expert ids are int64"
+    assert x2.shape[0] * (ids.shape[-1] if by_token else 1) == n_pairs and w.shape[0] % n_expert == 0
+    n_rows = w.shape[0] // n_expert
+    out = torch.empty((n_pairs, n_rows // 2 if swiglu_output else n_rows), dtype=out_dtype, device=x.device)
+    if n_pairs:
+        _launch_mma(x2, w, None, False, out, None, (swiglu_output, False, False, False), None, None,
+                    experts=(ids.reshape(-1).contiguous(), n_expert, ids.shape[-1] if by_token else 1))
+    return out
+
+
 def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out: torch.Tensor,
                 cfg_override: dict[str, int] | None, fused: tuple[bool, ...], norm: tuple[torch.Tensor, float] | None,
-                rope: RopeWrite | None) -> None:
+                rope: RopeWrite | None, experts: tuple[torch.Tensor, int, int] | None = None) -> None:
     """One tensor-core launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with SwiGLU, q's
     width with RoPE; both row-contiguous). fused: (SwiGLU output, RMSNorm input, add to out, RoPE and KV
-    write)."""
+    write). experts (ids [pairs] int64, n_expert, x rows per pair divisor): one row per pair (`expert_gemv`)."""
     n_out, k = w.shape
+    n_pairs = 1
+    if experts is not None:
+        n_out //= experts[1]
+        n_pairs = experts[0].numel()
     flags = _flags(silu_input, bias, out)
     per_step = 512 // (w.group * w.bits)  # groups in a lane's 16-byte load
     sums = 2 if fused[1] else 1
@@ -181,19 +215,22 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
                                          cfg["D"] * cfg["KSPLIT"] * per_step, sums)
         reduce_bytes = threads * (2 if rows > 8 else 1) * 16 if cfg["KSPLIT"] > 1 or cfg["KC"] > 1 else 0
         smem = max(rows * row_bytes + cg * 64 * sums, reduce_bytes)
-        minb = cfg["MINB"] or block_shapes.one_wave_blocks(grid, threads, smem, device)
+        minb = cfg["MINB"] or block_shapes.one_wave_blocks(grid * n_pairs, threads, smem, device)
         return (("gemv_mma", w.bits, w.group, rows, cfg["TILES"], cfg["KSPLIT"], cfg["D"], *flags, seven_bits,
-                 *fused[:3], *rope_flags, minb, cfg["KC"]), cfg, grid, cg, row_bytes, smem)
+                 *fused[:3], *rope_flags, minb, cfg["KC"], experts[2] if experts else 0), cfg, grid, cg, row_bytes,
+                smem)
 
-    key, cfg, grid, cg, row_bytes, smem = variant(x2.shape[0])
-    built = build.kernel(key, lambda rows: variant(rows)[0])
+    key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0])
+    built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
     no_rope = [x2, x2, x2, x2, x2, x2, 0, 0, 0, 0]
     extra = [cg, row_bytes, norm_w, eps_bits, *(rope.args() if rope is not None else no_rope)]
     assert smem <= block_shapes.MMA_SMEM_BYTES, "activations too wide to stage"
-    args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra]
-    build.launch(built, grid, 32 * cfg["TILES"] * cfg["KSPLIT"], args, smem, build.pdl_enabled(device), cfg["KC"])
+    args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra,
+            experts[0] if experts else x2]
+    build.launch(built, (grid, n_pairs), 32 * cfg["TILES"] * cfg["KSPLIT"], args, smem, build.pdl_enabled(device),
+                 cfg["KC"])
 
 
 def _launch_core(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out: torch.Tensor,

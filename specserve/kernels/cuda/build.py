@@ -25,7 +25,7 @@ from specserve.kernels.cuda.block_shapes import CORE_WARPS, MMA_SMEM_BYTES
 KERNELS: dict[str, tuple[str, ...]] = {
     "gemv_q": ("BITS", "WPG", "M", "RN", "U", "KSPLIT", "SILU", "BIAS", "OUT_F32"),
     "gemv_mma": ("BITS", "G", "M", "TILES", "KSPLIT", "D", "SILU", "BIAS", "OUT_F32", "U7", "SWIGLU", "NORM", "ACCUM",
-                 "ROPE", "ROPE_HD", "MINB", "KC"),
+                 "ROPE", "ROPE_HD", "MINB", "KC", "EXPERTS"),
 }
 
 
@@ -118,14 +118,15 @@ def pdl_enabled(device: int) -> bool:
     return os.environ.get("SPECSERVE_PDL") != "0" and sm90(device)
 
 
-def launch(built: Any, grid: int, threads: int, args: list, shared_mem: int, dependent: bool = False,
-           cluster: int = 1) -> None:
+def launch(built: Any, grid: int | tuple[int, int], threads: int, args: list, shared_mem: int,
+           dependent: bool = False, cluster: int = 1) -> None:
     """One launch of a built variant on the current stream. dependent: as a programmatic dependent, which
     may start before the kernel ahead of it in the stream ends (it waits in griddepcontrol.wait before
     touching activations), hiding the launch gap and its first weight loads behind that kernel's tail.
     cluster > 1: consecutive blocks form thread-block clusters of that many (the kernel's KC). Both need
-    cuLaunchKernelEx; plain launches go through torch."""
+    cuLaunchKernelEx; plain launches go through torch. grid: blocks, or (blocks, block rows)."""
+    grid_xy = (grid, 1) if isinstance(grid, int) else grid
     if dependent or cluster > 1:
-        driver.launch_ex(built.func, grid, threads, args, shared_mem, dependent, cluster)
+        driver.launch_ex(built.func, grid_xy, threads, args, shared_mem, dependent, cluster)
     else:
-        built(grid=(grid, 1, 1), block=(threads, 1, 1), args=args, shared_mem=shared_mem)
+        built(grid=(*grid_xy, 1), block=(threads, 1, 1), args=args, shared_mem=shared_mem)

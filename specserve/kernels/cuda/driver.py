@@ -36,7 +36,7 @@ def _libcuda() -> Any:
     return torch.cuda._utils._get_gpu_runtime_library()
 
 
-def launch_ex(func: Any, grid: int, block: int, args: list, shared_mem: int, dependent: bool,
+def launch_ex(func: Any, grid: tuple[int, int], block: int, args: list, shared_mem: int, dependent: bool,
               cluster: int = 1) -> None:
     """cuLaunchKernelEx of the CUfunction `func` on the current stream; args: tensors (passed as their
     addresses) and ints. dependent: programmatic stream serialization; cluster > 1: consecutive blocks
@@ -51,7 +51,7 @@ def launch_ex(func: Any, grid: int, block: int, args: list, shared_mem: int, dep
         attrs.append(LaunchAttribute(id=CLUSTER_DIMENSION))
         attrs[-1].value[:3] = [cluster, 1, 1]
     array = (LaunchAttribute * max(1, len(attrs)))(*attrs)
-    config = LaunchConfig((grid, 1, 1), (block, 1, 1), shared_mem, torch.cuda.current_stream().cuda_stream,
+    config = LaunchConfig((*grid, 1), (block, 1, 1), shared_mem, torch.cuda.current_stream().cuda_stream,
                           ctypes.cast(array, ctypes.POINTER(LaunchAttribute)), len(attrs))
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), func, params, None)
     if err != 0:

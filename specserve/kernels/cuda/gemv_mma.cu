@@ -17,9 +17,14 @@
 #define MINB __MINB__            // blocks per SM the registers must allow (launch bounds)
 #define KC __KC__                // blocks of a thread-block cluster splitting K: each a contiguous share of whole
                                  // steps, their sums added in rank order through distributed shared memory
+#define EXPERTS __EXPERTS__      // 0, or mixture-of-experts pairs (one row each, M 1): block row y is pair y, which
+                                 // multiplies x row y / EXPERTS by expert ids[y]'s N rows of the stacked matrix
 #define WARPS (TILES * KSPLIT)
 #if KC > 1 && NORM
 #error "RMSNorm needs whole rows: no K split across blocks"
+#endif
+#if EXPERTS && (M != 1 || NORM || ACCUM || ROPE)
+#error "expert pairs take one row each and no RMSNorm, residual add or RoPE"
 #endif
 #define PER (32 / BITS)          // bit fields per word
 #define WPG (G * BITS / 32)      // words per group and row: 4 or 8
@@ -139,9 +144,21 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes,
     const bf16_t* __restrict__ norm_w, int eps_bits, const long long* __restrict__ pos,
     const long long* __restrict__ seq, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_seq, int c_head)
+    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_seq, int c_head,
+    const long long* __restrict__ ids)
 {
     extern __shared__ __align__(16) unsigned char smem[];
+#if EXPERTS
+    // the pair's expert id is the routing kernel's output: read after the wait (no weight loads ahead of it)
+    grid_dependency_wait();
+    {
+        const u64 pair = blockIdx.y, expert = (u64)ids[pair];
+        w += expert * N * (K / G) * WPG;
+        sm += expert * N * (K / G);
+        x += pair / EXPERTS * stride_x;
+        out = (char*)out + pair * (SWIGLU ? N / 2 : N) * (OUT_F32 ? 4 : 2);
+    }
+#endif
     bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]: groups of GP
     float* xsum = (float*)(smem + M * row_bytes);      // [CG][16]
 #if NORM
