@@ -55,19 +55,14 @@ def write_f16(path: Path, layers: int, device: torch.device) -> None:
     """The model in F16 (norms in F32 near 1; matrices with unit-variance outputs), generated on `device`."""
     cfg = moe_config(layers, False)
     writer = GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(layers)
-    writer.add_context_length(cfg.context_length)
-    writer.add_embedding_length(cfg.hidden)
-    writer.add_feed_forward_length(cfg.ffn)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_base)
-    writer.add_layer_norm_rms_eps(cfg.rms_eps)
-    writer.add_expert_count(cfg.n_expert)
-    writer.add_expert_used_count(cfg.n_expert_used)
-    writer.add_expert_feed_forward_length(cfg.expert_ffn)
+    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, cfg.context_length),
+                       (writer.add_embedding_length, cfg.hidden), (writer.add_feed_forward_length, cfg.ffn),
+                       (writer.add_head_count, cfg.n_heads), (writer.add_head_count_kv, cfg.n_kv_heads),
+                       (writer.add_key_length, cfg.head_dim), (writer.add_value_length, cfg.head_dim),
+                       (writer.add_rope_freq_base, cfg.rope_base), (writer.add_layer_norm_rms_eps, cfg.rms_eps),
+                       (writer.add_expert_count, cfg.n_expert), (writer.add_expert_used_count, cfg.n_expert_used),
+                       (writer.add_expert_feed_forward_length, cfg.expert_ffn)):
+        add(value)
     chars = {b: c for c, b in byte_alphabet().items()}
     tokens = [chars[b] for b in range(256)] + ["ab", "<|endoftext|>"]
     tokens += [f"<|placeholder_{i}|>" for i in range(cfg.vocab_size - len(tokens))]

@@ -57,10 +57,12 @@ def _scale_min(sm_ptr, offs, mask):
 
 
 @triton.jit
-def _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K: tl.constexpr, G: tl.constexpr, WPG: tl.constexpr,
-            NG: tl.constexpr):
-    """The NG groups of one K step from k0 of the packed weight rows `rows`: (group ids, their mask,
-    words [rows, NG, WPG], scales and mins [rows, NG])."""
+def _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """The NG = BLOCK_K / G groups of one K step from k0 of the packed weight rows `rows`: (group ids, their
+    mask, words [rows, NG, WPG] (WPG = G * BITS / 32 words a group), scales and mins [rows, NG])."""
+    WPG: tl.constexpr = G * BITS // 32
+    NG: tl.constexpr = BLOCK_K // G
     grp = k0 // G + tl.arange(0, NG)
     g_mask = grp < K // G
     gofs = rows[:, None] * (K // G) + grp[None, :]
@@ -83,7 +85,7 @@ def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.
     j = tl.arange(0, WPG)
     acc = tl.zeros([BLOCK_N, NG], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K, G, WPG, NG)
+        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K, BITS, G, BLOCK_K)
         part = tl.zeros([BLOCK_N, NG, WPG], tl.float32)
         x_sum = tl.zeros([NG, WPG], tl.float32)
         for i in tl.static_range(PER):
@@ -115,20 +117,19 @@ def _tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.con
     """BM activation rows (starting at x_ptr + x_offs, int64 [BM]) times the packed weight rows `rows`
     (int64 [BLOCK_N]) on tensor cores -> fp32 [BM, BLOCK_N]: each bit field of a K step is dequantized to
     the activation dtype and enters its own dot with the matching run of k."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // PER
-    NG: tl.constexpr = BLOCK_K // G
-    j = tl.arange(0, WPG)
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
+    WPG: tl.constexpr = G * BITS // 32
+    FIELD_K: tl.constexpr = BLOCK_K * BITS // 32  # the k one bit field position covers in a step
+    j = tl.arange(0, WPG)
     for k0 in range(0, K, BLOCK_K):
-        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, n_mask, k0, K, G, WPG, NG)
+        grp, g_mask, words, s, mn = _k_step(w_ptr, sm_ptr, rows, n_mask, k0, K, BITS, G, BLOCK_K)
         a = (s * (1 << BITS))[:, :, None]  # (1 + u / 2^BITS) * a - (a + min) = s * u - min
         c = a + mn[:, :, None]
-        for i in tl.static_range(PER):
+        for i in tl.static_range(32 // BITS):
             w = (_field(words, i, BITS) * a - c).to(x_ptr.dtype.element_ty)
             xi = _load_x(x_ptr, x_offs[:, None, None] + grp[None, :, None] * G + i * WPG + j[None, None, :],
                          m_mask[:, None, None] & g_mask[None, :, None], K, SILU_IN)
-            acc += tl.dot(tl.reshape(xi, [BM, NG * WPG]), tl.trans(tl.reshape(w, [BLOCK_N, NG * WPG])))
+            acc += tl.dot(tl.reshape(xi, [BM, FIELD_K]), tl.trans(tl.reshape(w, [BLOCK_N, FIELD_K])))
     return acc
 
 
