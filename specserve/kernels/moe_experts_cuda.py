@@ -17,6 +17,10 @@ from specserve.kernels import quant_cuda
 from specserve.kernels.linear import QuantWeight
 from specserve.kernels.moe_experts_triton import slot_sum
 
+# Every pair reads its expert's rows on its own: past this many tokens the same experts are read over and over
+# (16 tokens: 128 pairs), and the Triton paths (grouped by expert past MAX_PAIR_TOKENS) take over.
+MAX_TOKENS = 16
+
 
 def pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,
           n_expert: int) -> torch.Tensor:
