@@ -4,7 +4,7 @@
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
 # SERVER_EXTRA: more `specserve serve` flags for serve and fidelity (e.g. --batch-invariant).
-# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe slowtests]
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -46,9 +46,12 @@ for step in $steps; do
             kill $host ;;
         moe) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_moe_experts.py tests/test_moe_models.py \
                  tests/test_moe_routing.py 2>&1 | tail -3
-             timeout 400 python3 benchmarks/moe_bench.py --sections decode --weight-format "${MOE_FORMAT:-q8}" \
-                 -o "$OUT/moe_bench_cuda_decode.json" 2>&1 | tail -12 ;;
+             timeout 400 python3 benchmarks/moe_bench.py --sections experts,decode --weight-format "${MOE_FORMAT:-q8}" \
+                 -o "$OUT/moe_bench_cuda_decode.json" 2>&1 | tail -18 ;;
+        moellama) # LLAMA_BIN: llama.cpp's CUDA build (llama-bench, llama-quantize and their libraries)
+            timeout 1500 python3 benchmarks/moe_llama_cpp.py --llama-bin "$LLAMA_BIN" --types "${MOE_TYPES:-Q8_0,Q4_K_M}" \
+                -o "$OUT/moe_llama_cpp.json" 2>&1 | tail -8 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe slowtests)" ;;
+        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests)" ;;
     esac
 done
