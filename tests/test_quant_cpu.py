@@ -1,8 +1,9 @@
 """The CPU kernels for packed weights (kernels/quant_cpu.py) on fresh random inputs: the fp32 kernel against the
 dequantized reference, the int8 kernel against a torch reference of its own arithmetic (activations rounded to
-int8 per word's k) and, within a stated tolerance, against the fp32 one; every packing layout (4/8-bit, groups of
-16/32), odd N and row lengths of an odd number of groups that leave a partial chunk, 1..40 rows, and which
-kernel `linear` takes."""
+int8 per word's k, or per group where its grouped layout runs) and, within a stated tolerance, against the fp32
+one; every packing layout (4/8-bit, groups of 16/32), odd N and row lengths of an odd number of groups that
+leave a partial chunk (grouped: whole blocks of 16 groups, a partial block of 8 or more, a tail of fewer, a
+tail alone), 1..40 rows, and which kernel `linear` takes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from specserve.kernels.linear import QuantWeight, dequantize_ref, linear
 pytestmark = pytest.mark.skipif(not quant_cpu.kernel_built(), reason="needs a C compiler and AVX2 (+FMA, F16C) or "
                                 "AVX-512 VNNI (the product dequantizes instead)")
 LAYOUTS = [(4, 32), (4, 16), (8, 32), (8, 16)]
-SHAPES = [(96, 576), (33, 1536), (7, 160)]
+SHAPES = [(96, 576), (33, 1536), (7, 160), (5, 800)]
 # The int8 kernel against the exact product on these inputs: relative error ~4e-3 (at most 1.3e-2 seen at one
 # row of 160); each activation is off by at most half of its block's max |x| / 127.
 INT8_TOLERANCE = 3e-2
@@ -70,6 +71,9 @@ def test_int8_rounding_reference() -> None:
     x[0, 0], x[0, 4] = 2.54, -1.0  # group 32, 4 bits: k 0, 4, ..., 28 form word 0's block
     q, dx = quant_cpu.quantize_activations_ref(x, 4, 32)
     assert dx[0, 0].item() == pytest.approx(0.02) and dx[0, 1:].eq(0).all()
+    assert q[0, 0, :2].tolist() == [127.0, -50.0] and q[0, 1:].eq(0).all()
+    q, dx = quant_cpu.quantize_activations_ref(x, 4, 32, per_group=True)  # one scale for the group's 4 words
+    assert dx[0].tolist() == pytest.approx([0.02] * 4)
     assert q[0, 0, :2].tolist() == [127.0, -50.0] and q[0, 1:].eq(0).all()
 
 

@@ -4,8 +4,9 @@ of 32.
 
 Two kernels, chosen here per product (callers never choose):
 - int8 (cpu/gemv_i8.c, the default): each activation row is rounded to int8 once per call, with one scale per
-  weight word's k (8 values for 4-bit fields, 4 for 8-bit), and multiplied as integers (vpdpbusd on AVX-512
-  VNNI, exact 16-bit multiply-adds on AVX2), as llama.cpp does: the product of W with the rounded activations.
+  weight word's k (8 values for 4-bit fields, 4 for 8-bit), or per weight group where the kernel's grouped
+  layout runs (`grouped`: AVX-512, 4 words a group), and multiplied as integers (vpdpbusd on AVX-512 VNNI,
+  exact 16-bit multiply-adds on AVX2), as llama.cpp does: the product of W with the rounded activations.
   Approximate: docs/architecture.md (CPU path) gives its logit error and greedy agreement.
 - fp32 (cpu/gemv_q.c): exact integers times fp32 activations (relative error ~4e-7 against the dequantized
   product). Taken with SPECSERVE_CPU_EXACT=1.
@@ -74,24 +75,57 @@ def _permutation(k: int, bits: int, group: int) -> tuple[torch.Tensor, int]:
     return index.reshape(-1).to(torch.int32).contiguous(), chunks
 
 
-def quantize_activations_ref(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+@cache
+def grouped(bits: int, group: int) -> bool:
+    """Whether the int8 kernel takes this format in its grouped layout here (one activation scale a group)."""
+    lib = build.library()
+    return lib is not None and hasattr(lib, "q_i8_grouped") and bool(lib.q_i8_grouped(group * bits // 32))
+
+
+@cache
+def _grouped_permutation(k: int, bits: int, group: int) -> tuple[torch.Tensor, int]:
+    """The k of each slot of the grouped layout (gemv_i8.c's grouped_shape), int32, -1 past K: [blocks, 4 words,
+    fields, 16 groups] for whole blocks of 16 groups (and a last one of 8 or more), then [tail chunks, fields,
+    16 words] for the words of fewer left over; and the number of blocks."""
+    assert group * bits // 32 == 4
+    fields, n_groups = 32 // bits, k // group
+    rest = n_groups % 16
+    blocks = n_groups // 16 + (rest >= 8)
+    b = torch.arange(blocks).view(-1, 1, 1, 1)
+    j = torch.arange(4).view(1, -1, 1, 1)
+    i = torch.arange(fields).view(1, 1, -1, 1)
+    g = 16 * b + torch.arange(16).view(1, 1, 1, -1)
+    in_blocks = torch.where(g < n_groups, g * group + i * 4 + j, torch.full_like(g, -1)).reshape(-1)
+    tail_chunks = 0 if rest >= 8 else -(-4 * rest // 16)
+    word = 64 * blocks + 16 * torch.arange(tail_chunks).view(-1, 1, 1) + torch.arange(16).view(1, 1, -1)
+    i = torch.arange(fields).view(1, -1, 1)
+    tail = torch.where(word < 4 * n_groups, (word // 4) * group + i * 4 + word % 4, torch.full_like(word, -1))
+    return torch.cat([in_blocks, tail.reshape(-1)]).to(torch.int32).contiguous(), blocks
+
+
+def quantize_activations_ref(x: torch.Tensor, bits: int, group: int,
+                             per_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 kernel's rounding of x [rows, K]: blocks of each weight word's k ([rows, words, fields]),
-    q = round(x / dx) with dx = max |x| / 127 per block (fp32, ties to even, as the kernel) -> (q, dx)."""
+    q = round(x / dx) with dx = max |x| / 127 per block (fp32, ties to even, as the kernel) -> (q, dx).
+    per_group (the grouped layout): dx per weight group, the same for each of its words."""
     rows, k = x.shape
     fields, words_per_group = 32 // bits, group * bits // 32
     blocks = x.float().view(rows, k // group, fields, words_per_group).transpose(2, 3).reshape(rows, -1, fields)
     dx = blocks.abs().amax(-1) / 127.0
+    if per_group:
+        dx = dx.view(rows, -1, words_per_group).amax(-1).repeat_interleave(words_per_group, dim=1)
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
     return (blocks * inv[..., None]).round().clamp(-127, 127), dx
 
 
 def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The int8 kernel's arithmetic in torch (fp64 sums): per word, its integers times the rounded activations
-    scaled by scale * dx, minus min times the rounded activations' sum (dx * sum of q). x [rows, K] -> [rows, N]."""
+    scaled by scale * dx, minus min times the rounded activations' sum (dx * sum of q); dx per word or, where the
+    kernel runs grouped, per group. x [rows, K] -> [rows, N]."""
     from specserve.kernels.linear import unpack
 
     n, k = w.shape
-    q, dx = quantize_activations_ref(x, w.bits, w.group)
+    q, dx = quantize_activations_ref(x, w.bits, w.group, grouped(w.bits, w.group))
     fields, words_per_group = 32 // w.bits, w.group * w.bits // 32
     u = unpack(w.words, w.bits, w.group).view(n, k // w.group, fields, words_per_group).transpose(2, 3)
     u = u.reshape(n, -1, fields).double()
@@ -124,7 +158,8 @@ def gemv(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> torch.Te
     n, words_per_row = words.shape
     k = words_per_row * 32 // bits
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    perm, chunks = _permutation(k, bits, w.group)
+    perm, chunks = (_grouped_permutation if kernel == "int8" and grouped(bits, w.group) else _permutation)(
+        k, bits, w.group)
     rows_total = flat.shape[0]
     out = torch.empty(rows_total, n, dtype=torch.float32)
     if not (words.is_contiguous() and sm.is_contiguous()):

@@ -15,6 +15,13 @@
 // whose error is W's size: with exact sums the error of the scale * u term would stand alone, and u * scale
 // is larger than W (by the whole min; Q8_0's u carry an offset of 128). Output rows are shared out over
 // `threads` threads (pool.h). The caller splits more rows.
+//
+// Grouped (AVX-512, 4 words a group: 4-bit fields in groups of 32, 8-bit in groups of 16, the K-quants and
+// Q4_0/Q4_1): a block of 64 words (16 groups) is transposed in registers so that lane i of vector j holds word
+// j of group i. A lane's integer dot products then cover its whole group, and the conversion to fp32 and the
+// scaling happen once a group instead of once a word: most of the per-row work of a verify step. The
+// activations come in that order with one scale per group (quantize_grouped); q_i8_grouped says which
+// layout a call takes.
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -37,13 +44,32 @@ static void* scratch(size_t bytes) {
     return scratch_buf;
 }
 
+// fields activations of one slot (vector) in the kernel's byte order: register r of `regs` holds fields
+// 2b + r (4-bit) or b (8-bit) in byte b; returns the sum of the rounded values per lane.
+static inline vi pack_fields(const vf* v, vf inv, int fields, int8_t* xq) {
+    const vi byte = vi_set1(0xFF);
+    const int regs = fields / 4;
+    vi q_sum = vi_zero();
+    for (int r = 0; r < regs; ++r) {
+        vi packed = vi_zero();
+        for (int b = 0; b < 4; ++b) {
+            // round to nearest even (the default MXCSR mode), |q| <= 127 since |v| <= amax
+            vi q = vi_from_float(v_mul(v[regs == 2 ? 2 * b + r : b], inv));
+            q = vi_max(vi_min(q, vi_set1(127)), vi_set1(-127));
+            q_sum = vi_add(q_sum, q);
+            packed = vi_or(packed, vi_slli(vi_and(q, byte), 8 * b));
+        }
+        vi_store(xq + r * 64, packed);
+    }
+    return q_sum;
+}
+
 // Rounds one row of activations (perm: k of each [chunk, field, lane] slot, -1 past K) to int8 in the kernel's
 // byte order (xq: [chunks, regs, 16 lanes, 4 bytes]), with each lane's scale (dx) and the sum of its rounded
 // activations (xs = dx * sum of q).
 static void quantize_row(const float* x, const int32_t* perm, int chunks, int fields, int8_t* xq, float* dx,
                          float* xs) {
     const vf one = v_set1(1.0f), q_max = v_set1(127.0f);
-    const vi byte = vi_set1(0xFF);
     const int regs = fields / 4;
     for (int c = 0; c < chunks; ++c) {
         for (int lane = 0; lane < 16; lane += VL) {  // each lane is rounded on its own
@@ -57,23 +83,95 @@ static void quantize_row(const float* x, const int32_t* perm, int chunks, int fi
             // 1 / d as a true division (no reciprocal estimate), so the rounding is what a reference computes
             const vf inv = v_maskz_div(v_cmp(d, v_zero(), _CMP_GT_OQ), one, d);
             v_store(dx + (int64_t)c * 16 + lane, d);
-            vi q_sum = vi_zero();
-            for (int r = 0; r < regs; ++r) {
-                vi packed = vi_zero();
-                for (int b = 0; b < 4; ++b) {
-                    const int field = regs == 2 ? 2 * b + r : b;  // which field byte b of this register holds
-                    // round to nearest even (the default MXCSR mode), |q| <= 127 since |v| <= amax
-                    vi q = vi_from_float(v_mul(v[field], inv));
-                    q = vi_max(vi_min(q, vi_set1(127)), vi_set1(-127));
-                    q_sum = vi_add(q_sum, q);
-                    packed = vi_or(packed, vi_slli(vi_and(q, byte), 8 * b));
-                }
-                vi_store(xq + ((int64_t)c * regs + r) * 64 + 4 * lane, packed);
-            }
+            const vi q_sum = pack_fields(v, inv, fields, xq + (int64_t)c * regs * 64 + 4 * lane);
             v_store(xs + (int64_t)c * 16 + lane, v_mul(v_from_int(q_sum), d));
         }
     }
 }
+
+#if VL == 16
+#define GROUPED_WPG 4  // words a group in the grouped layout
+#endif
+
+int q_i8_grouped(int words_per_group) {
+#ifdef GROUPED_WPG
+    return words_per_group == GROUPED_WPG;
+#else
+    (void)words_per_group;
+    return 0;
+#endif
+}
+
+#ifdef GROUPED_WPG
+// The grouped layout of a row of `groups` groups: whole blocks of 16 groups, and a last partial block if it holds
+// 8 groups or more; fewer are left as chunks of 16 words (lanes = words, each with its group's activation
+// scale), since a block of a few groups costs as much as a full one.
+static inline void grouped_shape(int groups, int* blocks, int* tail_chunks) {
+    const int rest = groups % 16;
+    *blocks = groups / 16 + (rest >= 8);
+    *tail_chunks = rest >= 8 ? 0 : (GROUPED_WPG * rest + 15) / 16;
+}
+
+// Rounds one row of activations to int8 in the grouped order (perm: k of each [block, word j, field, lane] slot,
+// then of each [tail chunk, field, lane] one, -1 past K; xq: [blocks, 4 words, regs, 64 bytes] then [tail chunks,
+// regs, 64 bytes]) with one scale per weight group (dx: its largest |x| / 127, in each of its lanes) and the sums
+// of the rounded activations (xs = dx * sum of q, per lane).
+static void quantize_grouped(const float* x, const int32_t* perm, int groups, int fields, int8_t* xq, float* dx,
+                             float* xs) {
+    const vf one = v_set1(1.0f), q_max = v_set1(127.0f);
+    const int regs = fields / 4, slots = GROUPED_WPG * fields;
+    int blocks, tail_chunks;
+    grouped_shape(groups, &blocks, &tail_chunks);
+    for (int blk = 0; blk < blocks; ++blk) {
+        const int32_t* pb = perm + (int64_t)blk * slots * 16;
+        vf amax = v_zero();
+        for (int s = 0; s < slots; ++s) amax = v_max(amax, v_abs(v_gather(x, vi_load(pb + 16 * s))));
+        const vf d = v_div(amax, q_max);
+        const vf inv = v_maskz_div(v_cmp(d, v_zero(), _CMP_GT_OQ), one, d);  // a true division, as quantize_row
+        vi q_sum = vi_zero();
+        for (int j = 0; j < GROUPED_WPG; ++j) {
+            vf v[8];
+            for (int i = 0; i < fields; ++i) v[i] = v_gather(x, vi_load(pb + (j * fields + i) * 16));
+            q_sum = vi_add(q_sum, pack_fields(v, inv, fields, xq + ((int64_t)blk * GROUPED_WPG + j) * regs * 64));
+        }
+        v_store(dx + 16 * blk, d);
+        v_store(xs + 16 * blk, v_mul(v_from_int(q_sum), d));
+    }
+    const int32_t* pt = perm + (int64_t)blocks * slots * 16;
+    for (int c = 0; c < tail_chunks; ++c) {
+        vf v[8];
+        vf amax = v_zero();
+        for (int i = 0; i < fields; ++i) {
+            v[i] = v_gather(x, vi_load(pt + ((int64_t)c * fields + i) * 16));
+            amax = v_max(amax, v_abs(v[i]));
+        }
+        // a group's 4 words are 4 lanes of one 128-bit lane: the max of the four, in each
+        amax = v_max(amax, _mm512_permute_ps(amax, 0xB1));
+        amax = v_max(amax, _mm512_permute_ps(amax, 0x4E));
+        const vf d = v_div(amax, q_max);
+        const vf inv = v_maskz_div(v_cmp(d, v_zero(), _CMP_GT_OQ), one, d);
+        const vi q_sum = pack_fields(v, inv, fields, xq + ((int64_t)blocks * GROUPED_WPG + c) * regs * 64);
+        v_store(dx + 16 * (blocks + c), d);
+        v_store(xs + 16 * (blocks + c), v_mul(v_from_int(q_sum), d));
+    }
+}
+
+// The words of block blk of a row (zero past the row's `left` words from the block's start), transposed: t[j]'s
+// lane i is word j of the block's group i.
+static inline __attribute__((always_inline)) void load_block(const int32_t* w, int left, vi* t) {
+    vi v[4];
+    for (int q = 0; q < 4; ++q) {
+        const int n = left - 16 * q;
+        v[q] = n >= 16 ? vi_load(w + 16 * q) : vi_load_n(w + 16 * q, n > 0 ? n : 0);
+    }
+    for (int j = 0; j < 4; ++j) {
+        const vi lo = _mm512_setr_epi32(j, 4 + j, 8 + j, 12 + j, 16 + j, 20 + j, 24 + j, 28 + j, 0, 0, 0, 0, 0, 0, 0, 0);
+        const vi hi = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, j, 4 + j, 8 + j, 12 + j, 16 + j, 20 + j, 24 + j, 28 + j);
+        t[j] = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(v[0], lo, v[1]),
+                                       _mm512_permutex2var_epi32(v[2], hi, v[3]));
+    }
+}
+#endif
 
 typedef struct {
     packed_product p;
@@ -144,12 +242,97 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
     }
 }
 
+#ifdef GROUPED_WPG
+// rows_of for the grouped layout: per block and activation row, the 4 words' dot products add up in each
+// group's lane (two chains), then one conversion, one scale and one min term a group; a tail of fewer than 8
+// groups goes a word a lane, as rows_of does.
+static inline __attribute__((always_inline)) void rows_grouped(const job* a, int r0, int r1, const int ROWS,
+                                                               const int REGS) {
+    int blocks, tail_chunks;
+    grouped_shape(a->p.groups_per_row, &blocks, &tail_chunks);
+    const int64_t tail_q = (int64_t)blocks * GROUPED_WPG * REGS * 64;
+    const int64_t q_row = tail_q + (int64_t)tail_chunks * REGS * 64, f_row = (int64_t)(blocks + tail_chunks) * 16;
+    const vi nibble = vi_set1(0x0F0F0F0F);
+    int scale_lane[16], min_lane[16], first[CHUNK_VECS];
+    sm_lanes(GROUPED_WPG, scale_lane, min_lane, first);
+    const vi scale_idx = vi_load(scale_lane), min_idx = vi_load(min_lane);
+    for (int r = r0; r < r1; ++r) {
+        vf acc[ROWS], acc_min[ROWS];
+        for (int m = 0; m < ROWS; ++m) acc[m] = acc_min[m] = v_zero();
+        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
+        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
+        for (int blk = 0; blk < blocks; ++blk) {
+            for (int line = 0; line < 4; ++line)  // the block's 4 cache lines, PREFETCH bytes ahead
+                _mm_prefetch((const char*)(wr + 64 * blk + 16 * line) + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char*)(sr + 32 * blk) + PREFETCH / 4, _MM_HINT_T0);
+            vi t[GROUPED_WPG], lo[GROUPED_WPG], hi[GROUPED_WPG];
+            load_block(wr + 64 * blk, a->p.words_per_row - 64 * blk, t);
+            const int g_left = a->p.groups_per_row - 16 * blk;
+            const int32_t* pair_ptr = (const int32_t*)(sr + 32 * blk);  // (scale, min) as one word a group
+            const vi pairs = g_left >= 16 ? vi_load(pair_ptr) : vi_load_n(pair_ptr, g_left);
+            const vf scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
+            const vf mins = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(vi_srli(pairs, 16)));
+            for (int j = 0; j < GROUPED_WPG; ++j) {
+                lo[j] = REGS == 2 ? vi_and(t[j], nibble) : t[j];
+                hi[j] = REGS == 2 ? vi_and(vi_srli(t[j], 4), nibble) : t[j];
+            }
+            for (int m = 0; m < ROWS; ++m) {
+                const int8_t* q = a->xq + m * q_row + (int64_t)blk * GROUPED_WPG * REGS * 64;
+                vi even = vi_zero(), odd = vi_zero();
+                for (int j = 0; j < GROUPED_WPG; ++j) {
+                    if (REGS == 2) {
+                        even = _mm512_dpbusd_epi32(even, lo[j], vi_load(q + 128 * j));
+                        odd = _mm512_dpbusd_epi32(odd, hi[j], vi_load(q + 128 * j + 64));
+                    } else if (j % 2 == 0) {
+                        even = _mm512_dpbusd_epi32(even, lo[j], vi_load(q + 64 * j));
+                    } else {
+                        odd = _mm512_dpbusd_epi32(odd, lo[j], vi_load(q + 64 * j));
+                    }
+                }
+                const int64_t f = m * f_row + 16 * blk;
+                acc[m] = v_fmadd(v_from_int(vi_add(even, odd)), v_mul(scale, v_load(a->dx + f)), acc[m]);
+                acc_min[m] = v_fmadd(mins, v_load(a->xs + f), acc_min[m]);
+            }
+        }
+        for (int c = 0; c < tail_chunks; ++c) {
+            const int left = a->p.words_per_row - 64 * blocks - 16 * c, g0 = 16 * blocks + GROUPED_WPG * c;
+            const vi wv = vi_load_n(wr + 64 * blocks + 16 * c, left < 16 ? left : 16);
+            const int g_n = a->p.groups_per_row - g0;
+            const vf sm = v_load_sm(sr + 2 * g0, g_n < 4 ? g_n : 4);
+            const vf scale = v_pick(sm, scale_idx), mins = v_pick(sm, min_idx);
+            const vi lo = REGS == 2 ? vi_and(wv, nibble) : wv;
+            const vi hi = REGS == 2 ? vi_and(vi_srli(wv, 4), nibble) : wv;
+            for (int m = 0; m < ROWS; ++m) {
+                const int8_t* q = a->xq + m * q_row + tail_q + (int64_t)c * REGS * 64;
+                const vi dot = REGS == 2 ? dot_nibbles(lo, vi_load(q), hi, vi_load(q + 64)) : dot_bytes(lo, vi_load(q));
+                const int64_t f = m * f_row + 16 * (blocks + c);
+                acc[m] = v_fmadd(v_from_int(dot), v_mul(scale, v_load(a->dx + f)), acc[m]);
+                acc_min[m] = v_fmadd(mins, v_load(a->xs + f), acc_min[m]);
+            }
+        }
+        for (int m = 0; m < ROWS; ++m) a->p.out[(int64_t)m * a->p.n + r] = v_reduce_add(v_sub(acc[m], acc_min[m]));
+    }
+}
+#endif
+
+#ifdef GROUPED_WPG
+#define ROWS_GROUPED(R, REGS)                                             \
+    if (a->p.words_per_group == GROUPED_WPG) {                           \
+        rows_grouped(a, r0, r1, R, REGS);                                 \
+        break;                                                            \
+    }
+#else
+#define ROWS_GROUPED(R, REGS)
+#endif
 #define ROWS_CASE(R)                              \
     case R:                                       \
-        if (a->regs == 2)                         \
+        if (a->regs == 2) {                       \
+            ROWS_GROUPED(R, 2)                    \
             rows_of(a, r0, r1, R, 2);             \
-        else                                      \
+        } else {                                  \
+            ROWS_GROUPED(R, 1)                    \
             rows_of(a, r0, r1, R, 1);             \
+        }                                         \
         break;
 
 static void run_rows(void* p, int r0, int r1) {
@@ -165,14 +348,30 @@ static void run_rows(void* p, int r0, int r1) {
 int q_gemv_i8(const int32_t* words, const uint16_t* sm, const float* x_rows, const int32_t* perm, float* out,
               int rows, int n, int k, int words_per_row, int groups_per_row, int bits, int words_per_group,
               int chunks, int threads) {
-    const int fields = 32 / bits, regs = fields / 4;
-    const int64_t q_row = (int64_t)chunks * regs * 64, f_row = (int64_t)chunks * 16;
+    const int fields = 32 / bits, regs = fields / 4, grouped = q_i8_grouped(words_per_group);
+    int64_t q_row = (int64_t)chunks * regs * 64, f_row = (int64_t)chunks * 16;  // chunks of 16 words
+#ifdef GROUPED_WPG
+    if (grouped) {  // blocks of 64 words (4 slots each), then the tail's chunks
+        int blocks, tail_chunks;
+        grouped_shape(groups_per_row, &blocks, &tail_chunks);
+        q_row = ((int64_t)blocks * GROUPED_WPG + tail_chunks) * regs * 64;
+        f_row = (int64_t)(blocks + tail_chunks) * 16;
+    }
+#endif
     int8_t* xq = scratch((size_t)rows * (q_row + 2 * f_row * sizeof(float)));
     if (xq == NULL) return -1;
     float* dx = (float*)(xq + rows * q_row);
     float* xs = dx + rows * f_row;
-    for (int m = 0; m < rows; ++m)
-        quantize_row(x_rows + (int64_t)m * k, perm, chunks, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
+    for (int m = 0; m < rows; ++m) {
+        const float* x = x_rows + (int64_t)m * k;
+#ifdef GROUPED_WPG
+        if (grouped) {
+            quantize_grouped(x, perm, groups_per_row, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
+            continue;
+        }
+#endif
+        quantize_row(x, perm, chunks, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
+    }
     job a = {{words, sm, out, rows, n, words_per_row, groups_per_row, words_per_group, chunks}, xq, dx, xs, regs};
     pool_run(threads, n, pool_block(n, threads, 16), run_rows, &a);
     return 0;
