@@ -133,13 +133,49 @@ def section_experts(args: argparse.Namespace, device: torch.device, tokens: list
             from specserve.kernels import moe_experts_triton
 
             paths.append(("triton_pairs", moe_experts_triton.pairs))
+            from specserve.kernels import moe_experts_cuda, quant_cuda
+
+            if quant_cuda.experts_usable(x, gate_up.w, down.w):
+                paths.append(("cuda_pairs", lambda x, ids, w, gu, dn: moe_experts_cuda.pairs(x, ids, w, gu.w, dn.w,
+                                                                                               gu.n_expert)))
         for label, fn in paths:
             us = call_us(lambda fn=fn, x=x, ids=ids, w=weights: fn(x, ids, w, gate_up, down), device)
             row[f"{label}_us"] = round(us, 1)
             row[f"{label}_GB_s"] = round(chosen_bytes / us / 1e3, 1)
         rows.append(row)
-    print_table(rows, list(rows[0]))
+        if device.type == "cuda":
+            row["sweep"] = expert_block_sweep(x, ids, gate_up, down)
+    print_table(rows, [c for c in rows[0] if c != "sweep"])
     return rows
+
+
+# the tensor-core pairs' blocks to try: 16-row tiles a block, warps splitting K, steps in flight, cluster size
+EXPERT_SWEEP = [(t, ks, d, 1) for t in (1, 2, 4, 8) for ks in (1, 2, 4, 8) for d in (1, 2) if t * ks <= 16] + [
+    (t, 4, 2, kc) for t in (1, 2, 4) for kc in (2, 4)]
+
+
+def expert_block_sweep(x: torch.Tensor, ids: torch.Tensor, gate_up: QuantExperts, down: QuantExperts) -> list[dict]:
+    """GPU us of each expert product (quant_cuda.expert_gemv) per block shape, best first per matrix."""
+    from specserve.kernels import quant_cuda
+
+    act = quant_cuda.expert_gemv(x, ids, gate_up.w, gate_up.n_expert, x.dtype, by_token=True, swiglu_output=True)
+    out = []
+    for tiles, ksplit, d, kc in EXPERT_SWEEP:
+        cfg = {"TILES": tiles, "KSPLIT": ksplit, "D": d, "KC": kc, "MINB": 0}
+        try:
+            gu = call_us(lambda c=cfg: quant_cuda.expert_gemv(x, ids, gate_up.w, gate_up.n_expert, x.dtype,
+                                                              by_token=True, swiglu_output=True, blocks=c), x.device)
+            dn = call_us(lambda c=cfg: quant_cuda.expert_gemv(act, ids, down.w, down.n_expert, torch.float32,
+                                                              by_token=False, blocks=c), x.device)
+        except Exception as exc:  # a shape the kernel cannot stage (shared memory), or a build failure
+            print(f"  blocks {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        out.append({**cfg, "gate_up_us": round(gu, 1), "down_us": round(dn, 1)})
+    for key in ("gate_up_us", "down_us"):
+        best = sorted(out, key=lambda r: r[key])[:4]
+        print(f"  tokens {x.shape[0]}, best {key}: " + "; ".join(
+            f"T{r['TILES']} KS{r['KSPLIT']} D{r['D']} KC{r['KC']}: {r[key]}" for r in best))
+    return out
 
 
 def section_profile(args: argparse.Namespace, device: torch.device) -> list[dict[str, object]]:

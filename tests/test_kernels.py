@@ -319,7 +319,7 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest
     launched: set[int] = set()  # the KC of every variant launched
 
     def spy(key: tuple, sibling: object = None) -> object:
-        launched.add(key[-1])
+        launched.add(key[-2])  # (the last: EXPERTS)
         return built(key, sibling)
 
     monkeypatch.setattr(build, "kernel", spy)

@@ -169,15 +169,19 @@ def test_slot_sum_adds_each_tokens_slots_in_order() -> None:
 @pytest.mark.parametrize("fmts", [("q8", "q8"), ("q4k", "q6k"), ("q4_0", "q8")])
 @pytest.mark.parametrize("n", [1, 5, 16])
 def test_tensor_core_pairs_match_the_reference_and_the_triton_pairs(n: int, fmts: tuple[str, str]) -> None:
-    from specserve.kernels import moe_experts_triton, quant_cuda
+    from specserve.kernels import moe_experts_cuda, moe_experts_triton, quant_cuda
 
     x, ids, weights, gate_up, down = case(n, 8, 32, fmts, seed=n, hidden=512, ffn=256)
     assert quant_cuda.experts_usable(x, gate_up.w, down.w)
-    got = moe_experts(x, ids, weights, gate_up, down)
+
+    def pairs(rows: slice) -> torch.Tensor:
+        return moe_experts_cuda.pairs(x[rows], ids[rows], weights[rows], gate_up.w, down.w, gate_up.n_expert)
+
+    got = pairs(slice(None))
     assert got.dtype == x.dtype and got.shape == x.shape
     assert rel_err(got, reference(x, ids, weights, gate_up, down)) < TOL
     assert rel_err(got, moe_experts_triton.pairs(x, ids, weights, gate_up, down)) < TOL
-    assert torch.equal(got[n - 1 :], moe_experts(x[n - 1 :], ids[n - 1 :], weights[n - 1 :], gate_up, down))
+    assert torch.equal(got[n - 1 :], pairs(slice(n - 1, None)))
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and CUDA), reason="needs CUDA")

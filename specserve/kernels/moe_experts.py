@@ -130,7 +130,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         if triton_enabled(x):
             from specserve.kernels import moe_experts_cuda, moe_experts_triton, quant_cuda
 
-            if ids.shape[0] <= moe_experts_cuda.MAX_TOKENS and quant_cuda.experts_usable(x, w_gate_up.w, w_down.w):
+            if (moe_experts_cuda.enabled() and ids.shape[0] <= moe_experts_cuda.MAX_TOKENS
+                    and quant_cuda.experts_usable(x, w_gate_up.w, w_down.w)):
                 return moe_experts_cuda.pairs(x, ids, weights, w_gate_up.w, w_down.w, w_gate_up.n_expert)
             return moe_experts_triton.moe_experts(x, ids, weights, w_gate_up, w_down)
         # no Triton: every expert dequantized per call (loaders keep experts float on such devices)

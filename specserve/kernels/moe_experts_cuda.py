@@ -11,6 +11,8 @@ so a verify step computes what decode steps compute; nothing is read back to the
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specserve.kernels import quant_cuda
@@ -20,6 +22,12 @@ from specserve.kernels.moe_experts_triton import slot_sum
 # Every pair reads its expert's rows on its own: past this many tokens the same experts are read over and over
 # (16 tokens: 128 pairs), and the Triton paths (grouped by expert past MAX_PAIR_TOKENS) take over.
 MAX_TOKENS = 16
+
+
+def enabled() -> bool:
+    """SPECSERVE_MOE_KERNEL=cuda: the tensor-core pairs take the few-token steps; by default the Triton pairs
+    do, which were faster on the H200 with the dense products' block shapes (1 token: 27.5 us vs 42.0)."""
+    return os.environ.get("SPECSERVE_MOE_KERNEL") == "cuda"
 
 
 def pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,

@@ -167,12 +167,12 @@ def _flags(silu_input: bool, bias: torch.Tensor | None, out: torch.Tensor) -> tu
 
 
 def expert_gemv(x: torch.Tensor, ids: torch.Tensor, w: QuantWeight, n_expert: int, out_dtype: torch.dtype, *,
-                by_token: bool, swiglu_output: bool = False) -> torch.Tensor:
+                by_token: bool, swiglu_output: bool = False, blocks: dict[str, int] | None = None) -> torch.Tensor:
     """Mixture-of-experts pairs on the tensor-core kernel: for pair p (= token * k + slot, ids [n, k]),
     out[p] = x_row @ W_e^T with e = ids[p] and W_e expert e's [N, K] rows of the stacked w [n_expert * N, K];
     x_row is x[p // k] (by_token: gate|up) or x[p] (down). One row per pair (each pair's sums are its own, so a
     verify step computes what decode steps compute), read where the ids are, on the device: graph-safe.
-    swiglu_output: W_e = [gate | up] -> silu(gate) * up, N / 2 wide."""
+    swiglu_output: W_e = [gate | up] -> silu(gate) * up, N / 2 wide. blocks: the kernel's (benchmark sweeps)."""
     n_pairs = ids.numel()
     x2 = _flat_rows(x)
     assert ids.dtype == torch.int64, "expert ids are int64"
@@ -180,7 +180,7 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, w: QuantWeight, n_expert: in
     n_rows = w.shape[0] // n_expert
     out = torch.empty((n_pairs, n_rows // 2 if swiglu_output else n_rows), dtype=out_dtype, device=x.device)
     if n_pairs:
-        _launch_mma(x2, w, None, False, out, None, (swiglu_output, False, False, False), None, None,
+        _launch_mma(x2, w, None, False, out, blocks, (swiglu_output, False, False, False), None, None,
                     experts=(ids.reshape(-1).contiguous(), n_expert, ids.shape[-1] if by_token else 1))
     return out
 
