@@ -143,7 +143,7 @@ def section_experts(args: argparse.Namespace, device: torch.device, tokens: list
             row[f"{label}_us"] = round(us, 1)
             row[f"{label}_GB_s"] = round(chosen_bytes / us / 1e3, 1)
         rows.append(row)
-        if device.type == "cuda":
+        if device.type == "cuda" and args.sweep:
             row["sweep"] = expert_block_sweep(x, ids, gate_up, down)
     print_table(rows, [c for c in rows[0] if c != "sweep"])
     return rows
@@ -367,6 +367,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decode: layers (default 12; 2 with --small)")
     ap.add_argument("--small", action="store_true", help="decode: tiny shapes (a smoke test on the CPU)")
     ap.add_argument("-n", "--n-predict", type=int, default=32, help="decode: tokens per sequence")
+    ap.add_argument("--sweep", action="store_true", help="experts: also sweep the tensor-core pairs' block shapes")
     ap.add_argument("--gguf", default=None, help="decode: a qwen3moe / qwen2moe GGUF file instead of random weights "
                     "(its own weight format)")
     ap.add_argument("--weight-format", default="float", choices=("float", "q8", "gguf_like"),

@@ -85,21 +85,21 @@ def write_f16(path: Path, layers: int, device: torch.device) -> None:
     writer.close()
 
 
-def llama_env() -> dict[str, str]:
-    """llama.cpp's environment: without specserve's thread settings, with the CUDA libraries of the Python
-    packages (nvidia-*-cu13 wheels, as torch uses them) on the library path."""
+def llama_env(bin_dir: Path) -> dict[str, str]:
+    """llama.cpp's environment: without specserve's thread settings, with its own libraries (beside its binaries)
+    and the CUDA libraries of the Python packages (nvidia-*-cu13 wheels, as torch uses them) on the library path."""
     env = foreign_env()
     import nvidia  # type: ignore[import-not-found]  (the CUDA wheels torch depends on)
 
     libs = [str(Path(p) / sub / "lib") for p in nvidia.__path__ for sub in ("cu13", "cu12") if (Path(p) / sub).exists()]
-    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    env["LD_LIBRARY_PATH"] = ":".join([str(bin_dir), *libs, env.get("LD_LIBRARY_PATH", "")])
     return env
 
 
 def llama_bench(binary: Path, model: Path) -> dict[str, float]:
     """llama-bench's tg128 and pp512 tok/s (all layers on the GPU, its defaults otherwise)."""
     cmd = [str(binary), "-m", str(model), "-p", "512", "-n", "128", "-ngl", "99", "-r", "3", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(), check=False, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(binary.parent), check=False, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"llama-bench failed: {out.stderr[-2000:]}")
     rows = json.loads(out.stdout)
@@ -129,7 +129,7 @@ def main() -> None:
         path = work / f"qwen3moe-a3b-{args.layers}l-{qtype.lower()}.gguf"
         if not path.exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(path), qtype, str(os.cpu_count() or 1)],
-                           env=llama_env(), check=True, capture_output=True, timeout=1200)
+                           env=llama_env(bin_dir), check=True, capture_output=True, timeout=1200)
         llama = llama_bench(bin_dir / "llama-bench", path)
         runner = LocalRunner(path, n_seqs=16, n_ctx=args.n_predict + 64, device=device, weight_format="gguf",
                              progress=False)

@@ -25,9 +25,8 @@ MAX_TOKENS = 16
 
 
 def enabled() -> bool:
-    """SPECSERVE_MOE_KERNEL=cuda: the tensor-core pairs take the few-token steps; by default the Triton pairs
-    do, which were faster on the H200 with the dense products' block shapes (1 token: 27.5 us vs 42.0)."""
-    return os.environ.get("SPECSERVE_MOE_KERNEL") == "cuda"
+    """SPECSERVE_MOE_KERNEL=triton runs the Triton pairs instead (A/B runs; callers never choose)."""
+    return os.environ.get("SPECSERVE_MOE_KERNEL") != "triton"
 
 
 def pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,

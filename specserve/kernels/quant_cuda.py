@@ -207,7 +207,8 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
     def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
         """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
         clusters = build.sm90(device) and not fused[1]  # RMSNorm takes whole rows
-        cfg = {**block_shapes.pick_mma_blocks(n_out, k, rows, clusters), **(cfg_override or {})}
+        shape = block_shapes.pick_expert_blocks() if experts else block_shapes.pick_mma_blocks(n_out, k, rows, clusters)
+        cfg = {**shape, **(cfg_override or {})}
         cfg["KC"] = cfg.get("KC", 1) if clusters else 1
         grid = -(-n_tiles // cfg["TILES"]) * cfg["KC"]
         threads = 32 * cfg["TILES"] * cfg["KSPLIT"]

@@ -46,6 +46,15 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> di
     return {"TILES": 8, "KSPLIT": 2, "D": 1, "MINB": 0}
 
 
+def pick_expert_blocks() -> dict[str, int]:
+    """gemv_mma's expert pairs (one row each, a small matrix per pair: Qwen3-30B-A3B's gate|up 1536 x 2048 and
+    down 2048 x 768): two tiles a block, two warps splitting K, no cluster. From the H200 sweep of
+    benchmarks/moe_bench.py's experts section (1 / 16 tokens, us: gate|up 11.7 / 150.2, down 6.7 / 78.7; the dense
+    rule's one tile and 16 warps: 42.8 / 591.7 for both with the slot sum). The same for any number of pairs, so
+    a pair's sums do not depend on the batch."""
+    return {"TILES": 2, "KSPLIT": 2, "D": 1, "KC": 1, "MINB": 0}
+
+
 @cache
 def sm_resources(device: int) -> tuple[int, int]:
     """(multiprocessors, shared memory bytes per multiprocessor)."""
