@@ -63,17 +63,21 @@ def test_sigterm_finishes_short_streams_and_ends_long_ones() -> None:
             r.start()
         for r in readers:
             assert r.first_event.wait(60) and r.error is None, r.error
-        # A fifth, not streamed, waits for a slot: when the grace period is over it is answered 503.
+        # A fifth, not streamed, waits for a slot: when the grace period is over it is answered 503. (Greedy: a
+        # sampled continuation could reach an end of generation inside the grace period and answer 200.)
         queued: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: queued.append(httpx.post(
-            srv.url + "/completion", json={"prompt": REPEATING, "n_predict": 900}, timeout=120)))
+            srv.url + "/completion", json={"prompt": REPEATING, "n_predict": 900, "temperature": 0}, timeout=120)))
         waiter.start()
         time.sleep(0.3)
         srv.proc.send_signal(signal.SIGTERM)
         t_term = time.monotonic()
 
-        # Draining: the socket still answers, with 503 and Retry-After, /health included.
-        time.sleep(0.3)
+        # Draining: the socket still answers, with 503 and Retry-After, /health included (once the signal has
+        # reached the server's event loop).
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
         refused = httpx.post(srv.url + "/completion", json={"prompt": "hi", "n_predict": 1}, timeout=10)
         assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
         assert "shutting down" in refused.json()["error"]["message"]
