@@ -18,7 +18,8 @@ is timed instead, flagged in the table: its per-token eval() understates llama.c
 (smollm2 on the 2-core Xeon: 28 tok/s against llama-bench's 130).
 A format "<fmt>-exact" times <fmt> with SPECSERVE_CPU_EXACT=1 (the exact fp32 kernel instead of the int8 one).
 Both sides evaluate tokens without sampling for pp and tg, as llama-bench does; specserve's
-tg also goes through its scheduler (`bench_decode`, host work included). Prints a table, writes JSON (-o,
+tg also goes through its scheduler (`bench_decode`, host work included). --rounds R interleaves R rounds of both
+sides (a busy spell of a shared machine then falls on both) and reports medians. Prints a table, writes JSON (-o,
 default cpu_<model>.json in the cache's benchmarks folder: bench_output.py).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -94,41 +96,58 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2, help="best of")
+    ap.add_argument("--reps", type=int, default=2, help="best of (llama-bench: the mean of)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds of specserve and llama.cpp; medians, and the median per-round ratio")
     ap.add_argument("--formats", default="auto,float", help="specserve weight formats to time")
     ap.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="llama.cpp's llama-bench binary")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = catalog.resolve(args.model)
-    rows = []
+    runners = {}
     for name in args.formats.split(","):
-        fmt = name.removesuffix("-exact")
-        os.environ["SPECSERVE_CPU_EXACT"] = "1" if name != fmt else "0"  # read per product
-        runner = LocalRunner(path, device="cpu", n_ctx=args.n_prompt + args.n_gen + 64, weight_format=fmt,
-                             progress=False)
-        tok = Tokenizer.from_gguf(runner.gguf)
-        pp = bench_prefill(runner, args.n_prompt, reps=args.reps)
-        tg = max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))
-        label = runner.weight_format + ("-exact" if name != fmt else "")
-        rows.append({"engine": f"specserve {label}", f"pp{args.n_prompt}": round(pp, 1),
-                     f"tg{args.n_gen}": round(tg, 1)})
-        del runner
-    os.environ.pop("SPECSERVE_CPU_EXACT", None)
-    if args.llama_bench.exists():
-        ref = llama_bench(args.llama_bench, path, args.threads, args.n_prompt, args.n_gen, args.reps)
-    else:
-        ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
-    if ref is not None:
-        name = "llama.cpp" if ref["via"] == "llama-bench" else "llama.cpp (python eval)"
-        rows.append({"engine": name, f"pp{args.n_prompt}": round(ref["pp"], 1),
-                     f"tg{args.n_gen}": round(ref["tg"], 1)})
-        for row in rows[:-1]:
-            row["pp_vs_llamacpp"] = round(row[f"pp{args.n_prompt}"] / ref["pp"], 2)
-            row["tg_vs_llamacpp"] = round(row[f"tg{args.n_gen}"] / ref["tg"], 2)
+        runners[name] = LocalRunner(path, device="cpu", n_ctx=args.n_prompt + args.n_gen + 64,
+                                    weight_format=name.removesuffix("-exact"), progress=False)
+    tok = Tokenizer.from_gguf(next(iter(runners.values())).gguf)
+    rates: dict[str, list[tuple[float, float]]] = {name: [] for name in [*runners, "llama.cpp"]}
+    via = None
+    for _ in range(args.rounds):  # interleaved: a busy spell of the machine falls on both sides
+        for name, runner in runners.items():
+            os.environ["SPECSERVE_CPU_EXACT"] = "1" if name.endswith("-exact") else "0"  # read per product
+            pp = bench_prefill(runner, args.n_prompt, reps=args.reps)
+            rates[name].append((pp, max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))))
+        os.environ.pop("SPECSERVE_CPU_EXACT", None)
+        if args.llama_bench.exists():
+            ref = llama_bench(args.llama_bench, path, args.threads, args.n_prompt, args.n_gen, args.reps)
+        else:
+            ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
+        if ref is not None:
+            via = ref["via"]
+            rates["llama.cpp"].append((ref["pp"], ref["tg"]))
+    rows = []
+    for name, got in rates.items():
+        if not got:
+            continue
+        label = name if name == "llama.cpp" else f"specserve {runners[name].weight_format}" + (
+            "-exact" if name.endswith("-exact") else "")
+        if name == "llama.cpp" and via != "llama-bench":
+            label += " (python eval)"
+        row: dict[str, object] = {"engine": label, f"pp{args.n_prompt}": round(statistics.median(r[0] for r in got), 1),
+                                  f"tg{args.n_gen}": round(statistics.median(r[1] for r in got), 1)}
+        if name != "llama.cpp" and rates["llama.cpp"]:  # the median of each round's ratio
+            pairs = list(zip(got, rates["llama.cpp"], strict=True))
+            row["pp_vs_llamacpp"] = round(statistics.median(a[0] / b[0] for a, b in pairs), 2)
+            row["tg_vs_llamacpp"] = round(statistics.median(a[1] / b[1] for a, b in pairs), 2)
+            row["tg_ratio_by_round"] = [round(a[1] / b[1], 2) for a, b in pairs]
+        rows.append(row)
     print_table(rows, ["engine", f"pp{args.n_prompt}", f"tg{args.n_gen}", "pp_vs_llamacpp", "tg_vs_llamacpp"])
+    if args.rounds > 1:
+        for row in rows:
+            if "tg_ratio_by_round" in row:
+                print(f"{row['engine']}: tg vs llama.cpp by round {row['tg_ratio_by_round']}")
     write_json(output_path(args.output, f"cpu_{args.model}.json"),
-               {"model": args.model, "threads": args.threads, "rows": rows})
+               {"model": args.model, "threads": args.threads, "rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":
