@@ -159,10 +159,27 @@ def _triton_gemv_float(rows: int) -> bool:
     return rows == 1 and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
 
 
+def _cpu_packed(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """x @ w^T on the CPU's packed-integer kernels, or None where they do not take it (quant_cpu decides, also
+    for how many rows)."""
+    from specserve.kernels import quant_cpu
+
+    if not quant_cpu.available(x, w):
+        return None
+    y = quant_cpu.gemv(x, w)
+    y = y if bias is None else y + bias
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
     quant = isinstance(w, QuantWeight)
+    if quant and not silu_input and not x.is_cuda and not triton_enabled(x):  # first: a CPU decode's ~120 products
+        y = _cpu_packed(x, w, bias, out_dtype)
+        if y is not None:
+            return y
+    rows = x.numel() // x.shape[-1]
     invariant = batch_invariant.applies(x)
     if quant and (rows <= MAX_SLICED_ROWS or invariant) and triton_enabled(x):
         from specserve.kernels import quant_cuda
@@ -181,12 +198,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
     if silu_input:
         x = silu_mul(x)
     if quant and x.device.type == "cpu":
-        from specserve.kernels import quant_cpu
-
-        if quant_cpu.available(x, w):  # packed integers read as they are (it decides for how many rows)
-            y = quant_cpu.gemv(x, w)
-            y = y if bias is None else y + bias
-            return y if out_dtype is None else y.to(out_dtype)
+        y = _cpu_packed(x, w, bias, out_dtype)
+        if y is not None:
+            return y
     weight = dequantize(w, x.dtype) if quant else w
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)

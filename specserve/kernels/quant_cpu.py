@@ -22,6 +22,8 @@ product dequantizes instead (the reference).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -148,35 +150,67 @@ def kernel_for(w: QuantWeight) -> str:
     return "int8" if w.bits in (4, 8) and not exact() and int8_built() else "fp32"
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one weight's calls of one kernel pass besides the activations: resolved once (`_plan`)."""
+
+    fn: Callable[..., int]
+    w_ptr: int
+    sm_ptr: int
+    perm: torch.Tensor  # kept alive: the kernel reads it through perm_ptr
+    perm_ptr: int
+    n: int
+    k: int
+    shape_args: tuple[int, ...]  # n, k, words per row, groups per row, bits, words per group, chunks
+    scratch_floats: int  # the fp32 kernel's scratch per row
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan(w: QuantWeight, kernel: str) -> _Plan:
+    """The call plan of w (keyed by its tensors' addresses and shapes, so a weight moved or replaced gets a new
+    one): a decode step of a 135M model makes ~120 products, and resolving all this per call was twice the
+    kernel's own time on its small matrices."""
+    key = (w.words.data_ptr(), w.sm.data_ptr(), w.words.shape, w.bits, w.group, kernel)
+    plan = _plans.get(key)
+    if plan is None:
+        lib = build.library()
+        assert lib is not None and (kernel != "int8" or int8_built()), f"no {kernel} CPU kernel on this machine"
+        if not (w.words.is_contiguous() and w.sm.is_contiguous()):
+            raise ValueError("packed weights must be contiguous")
+        n, words_per_row = w.words.shape
+        k = words_per_row * 32 // w.bits
+        perm, chunks = (_grouped_permutation if kernel == "int8" and grouped(w.bits, w.group) else _permutation)(
+            k, w.bits, w.group)
+        plan = _Plan(lib.q_gemv_i8 if kernel == "int8" else lib.q_gemv, w.words.data_ptr(), w.sm.data_ptr(), perm,
+                     perm.data_ptr(), n, k, (n, k, words_per_row, w.sm.shape[1], w.bits, w.group * w.bits // 32,
+                                             chunks), perm.numel() + chunks * 16)
+        _plans[key] = plan
+    return plan
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ W^T -> fp32 [..., N] on torch's thread count. kernel: None chooses (`kernel_for`); tests
     name one. Kept lean: a 135M model's decode step makes ~120 of these calls."""
     kernel = kernel or kernel_for(w)
-    lib = build.library()
-    assert lib is not None and (kernel != "int8" or int8_built()), f"no {kernel} CPU kernel on this machine"
-    words, sm, bits = w.words, w.sm, w.bits
-    n, words_per_row = words.shape
-    k = words_per_row * 32 // bits
+    plan = _plan(w, kernel)
+    n, k = plan.n, plan.k
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    perm, chunks = (_grouped_permutation if kernel == "int8" and grouped(bits, w.group) else _permutation)(
-        k, bits, w.group)
     rows_total = flat.shape[0]
     out = torch.empty(rows_total, n, dtype=torch.float32)
-    if not (words.is_contiguous() and sm.is_contiguous()):
-        raise ValueError("packed weights must be contiguous")
-    shape_args = (n, k, words_per_row, sm.shape[1], bits, w.group * bits // 32, chunks, torch.get_num_threads())
+    args = (*plan.shape_args, torch.get_num_threads())
     x_ptr, out_ptr = flat.data_ptr(), out.data_ptr()
-    w_ptr, sm_ptr, perm_ptr = words.data_ptr(), sm.data_ptr(), perm.data_ptr()
     if kernel == "int8":
         for start in range(0, rows_total, MAX_ROWS):
             rows = min(MAX_ROWS, rows_total - start)
-            if lib.q_gemv_i8(w_ptr, sm_ptr, x_ptr + 4 * start * k, perm_ptr, out_ptr + 4 * start * n, rows,
-                             *shape_args):
+            if plan.fn(plan.w_ptr, plan.sm_ptr, x_ptr + 4 * start * k, plan.perm_ptr, out_ptr + 4 * start * n, rows,
+                       *args):
                 raise MemoryError("the int8 CPU kernel could not allocate its activation scratch")
     else:
-        scratch = torch.empty(min(MAX_ROWS, rows_total) * (perm.numel() + chunks * 16), dtype=torch.float32)
+        scratch = torch.empty(min(MAX_ROWS, rows_total) * plan.scratch_floats, dtype=torch.float32)
         for start in range(0, rows_total, MAX_ROWS):
             rows = min(MAX_ROWS, rows_total - start)
-            lib.q_gemv(w_ptr, sm_ptr, x_ptr + 4 * start * k, perm_ptr, scratch.data_ptr(), out_ptr + 4 * start * n,
-                       rows, *shape_args)
+            plan.fn(plan.w_ptr, plan.sm_ptr, x_ptr + 4 * start * k, plan.perm_ptr, scratch.data_ptr(),
+                    out_ptr + 4 * start * n, rows, *args)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -112,7 +112,8 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
+@cache
 def has(name: str) -> bool:
-    """Whether the library is built here and holds the C function `name`."""
+    """Whether the library is built here and holds the C function `name` (asked per op: cached, as library() is)."""
     lib = library()
     return lib is not None and hasattr(lib, name)
