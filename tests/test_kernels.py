@@ -231,7 +231,8 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
     the same activations its input stage computed before, bit for bit (1..16 rows, and sliced above)."""
     from specserve.kernels import quant_cuda
     from specserve.kernels.activation import silu_mul_ref
-    from specserve.kernels.linear import feed_forward, linear
+    from specserve.kernels.linear import linear
+    from specserve.kernels.step_ops import feed_forward
 
     k = 1536
     w_gate_up = random_quant(2 * n_ff, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
@@ -278,8 +279,9 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
     """RMSNorm folded into the tensor-core kernel's input matches rms_norm then the product (to bf16
     rounding of the normed values), and each row of a multi-row call is bit for bit a one-row call;
     the product added to a residual stream in place is exactly the bf16 sum of the two."""
-    from specserve.kernels.linear import linear, linear_fused
+    from specserve.kernels.linear import linear
     from specserve.kernels.rmsnorm import rms_norm_ref
+    from specserve.kernels.step_ops import linear_fused
 
     k, n = 1536, 272
     w = random_quant(n, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
@@ -345,8 +347,8 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest
 def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n_kv: int, head_dim: int) -> None:
     """RoPE and the KV-cache write in the QKV product's epilogue vs the product then rope_and_cache;
     each row of a multi-row call bit for bit a one-row call."""
-    from specserve.kernels.linear import linear_fused
     from specserve.kernels.rope import RopeWrite, rope_and_cache, rope_cos_sin
+    from specserve.kernels.step_ops import linear_fused
 
     k, ctx, n_seqs = 512, 64, 3
     n_out = (n_heads + 2 * n_kv) * head_dim
@@ -385,7 +387,7 @@ def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pyt
     """A chain of products each reading the one before (and a residual stream written in place), with
     programmatic dependent launch (kernels start before their predecessor ends) and without."""
     from specserve.kernels.cuda import build
-    from specserve.kernels.linear import feed_forward, linear_fused
+    from specserve.kernels.step_ops import feed_forward, linear_fused
 
     monkeypatch.setenv("SPECSERVE_PDL", "1")
     if not build.pdl_enabled(torch.cuda.current_device()):

@@ -163,8 +163,7 @@ class Scheduler(SlotResults, SlotJobs):
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
         self._draft_cap = draft_cap(generating)
         if self._gate is not None:
-            # Every busy slot counts, those still reading prompts too: a drafting turn is unchained for their
-            # chunks as well (requests_processing: slots holding a task, kept by _admit and _release).
+            # Every busy slot counts (requests_processing), prompt readers too: a drafting turn unchains their chunks.
             self._drafts_allowed = self._gate.allow(self.counters.requests_processing)
         if generating > 1:
             with self._cond:

@@ -7,7 +7,7 @@ to kernels that read only the chosen experts' packed weights (few tokens in bf16
 pairs of moe_experts_cuda.py; otherwise the Triton kernels of moe_experts_triton.py); float
 experts go through torch (`moe_experts_ref`), grouped by expert. Either way each (token, slot) pair's
 output is its own and a token's slots are summed in slot order, so the sum does not depend on how the
-pairs were grouped. `NormMoeAdd` is the decoder-step op (kernels.linear's ResidualStream): RMSNorm,
+pairs were grouped. `NormMoeAdd` is the decoder-step op (kernels.step_ops' ResidualStream): RMSNorm,
 router product, routing (kernels.moe_routing), experts, an optional shared expert, added to the stream.
 """
 
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from specserve.kernels.activation import silu_mul_ref
 from specserve.kernels.dispatch import triton_device, triton_enabled
-from specserve.kernels.linear import QuantWeight, ResidualStream, Weight, concat_quant, dequantize, feed_forward, linear
+from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize, linear
 from specserve.kernels.linear import quantize_q8 as quantize_matrix_q8
 from specserve.kernels.moe_routing import Routing
+from specserve.kernels.step_ops import ResidualStream, feed_forward
 
 
 def _expert_out(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

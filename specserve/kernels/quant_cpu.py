@@ -190,6 +190,21 @@ def _plan(w: QuantWeight, kernel: str) -> _Plan:
     return plan
 
 
+def product(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
+            out_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """kernels.linear's product on these kernels (silu(gate) * up of x first with silu_input), or None where they
+    do not take it (`available`: also for how many rows)."""
+    if silu_input:
+        from specserve.kernels.activation import silu_mul
+
+        x = silu_mul(x)
+    if not available(x, w):
+        return None
+    y = gemv(x, w)
+    y = y if bias is None else y + bias
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def gemv(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ W^T -> fp32 [..., N] on torch's thread count. kernel: None chooses (`kernel_for`); tests
     name one. Kept lean: a 135M model's decode step makes ~120 of these calls."""

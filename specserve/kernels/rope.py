@@ -73,7 +73,7 @@ def rope_and_cache(
 
 @dataclass
 class RopeWrite:
-    """RoPE and the KV-cache write folded into a [q | k | v] product's epilogue (see linear.linear_fused)."""
+    """RoPE and the KV-cache write folded into a [q | k | v] product's epilogue (see step_ops.linear_fused)."""
 
     cos: torch.Tensor  # fp32 [max positions, head_dim / 2] (rope_cos_sin, rotating the whole head)
     sin: torch.Tensor

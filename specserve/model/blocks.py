@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.attention import attention
-from specserve.kernels.linear import LinearAdd, NormFeedForwardAdd, NormLinear, NormQKVRope, ResidualStream, StepOp
 from specserve.kernels.rope import rope_cos_sin
+from specserve.kernels.step_ops import LinearAdd, NormFeedForwardAdd, NormLinear, NormQKVRope, ResidualStream, StepOp
 from specserve.model.config import ModelConfig
 from specserve.model.weights import LayerWeights, ModelWeights
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.linear import ResidualStream
+from specserve.kernels.step_ops import ResidualStream
 from specserve.model.tp_layout import ShardLayout
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.linear import ResidualStream, StepFusion
+from specserve.kernels.step_ops import ResidualStream, StepFusion
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
 from specserve.model.config import ModelConfig
 from specserve.model.registry import family

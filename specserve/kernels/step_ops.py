@@ -1,0 +1,211 @@
+"""Decoder-step ops: RMSNorm -> product (+ RoPE and the KV write) -> add to the residual stream.
+
+The model calls them on a `ResidualStream`; whether they fold the norms, RoPE and the adds into the products
+(the tensor-core kernel: `linear_fused`, `feed_forward`) or compose them (kernels.linear's `linear`) is decided
+here, once per step for all of its ops (`StepFusion`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.kernels import batch_invariant
+from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.linear import MAX_SLICED_ROWS, QuantWeight, Weight, linear
+from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
+from specserve.kernels.rope import RopeWrite, rope_and_cache
+
+
+def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
+    """The tensor-core kernel takes x @ w^T (a decode or verify step over packed weights), and with
+    norm_input it can fold in the RMSNorm of x (K staged whole). Such products can also add into a
+    residual stream (`linear_fused`) and apply SwiGLU to their output (`feed_forward`)."""
+    rows = x.numel() // x.shape[-1]
+    if not (isinstance(w, QuantWeight) and (rows <= MAX_SLICED_ROWS or batch_invariant.applies(x))
+            and triton_enabled(x)):
+        return False
+    from specserve.kernels import quant_cuda
+
+    return quant_cuda.usable(x, w, None, x.dtype) == "gemv_mma" and (not norm_input or quant_cuda.norm_fusable(w))
+
+
+def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+                 norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
+                 rope: RopeWrite | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """linear() on the tensor-core kernel (`fusable` says when) with the RMSNorm of x, norm = (weight,
+    eps), folded into its input, and its result added to `add_to` in place (then returned), or, for a
+    [q | k | v] matrix, rotated (RoPE) with k and v written to the KV cache and q returned. Same
+    roundings as rms_norm, linear, a bf16 addition, rope_and_cache."""
+    from specserve.kernels import quant_cuda
+
+    return quant_cuda.gemv(x, w, bias, False, out_dtype or x.dtype, kernel="gemv_mma", norm=norm, add_to=add_to,
+                            rope=rope)
+
+
+def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tuple[torch.Tensor, float] | None = None,
+                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where both products are `fusable`,
+    SwiGLU runs in gate_up's output (down then stages plain activations), and norm / add_to fold in as
+    in linear_fused; elsewhere SwiGLU runs in down's input (norm and add_to are then not allowed).
+    Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values."""
+    if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
+        from specserve.kernels import quant_cuda
+
+        act = quant_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
+        return quant_cuda.gemv(act, w_down, None, False, x.dtype, kernel="gemv_mma", add_to=add_to)
+    assert norm is None and add_to is None, "RMSNorm and the residual add fold in only on the tensor-core kernel"
+    return linear(linear(x, w_gate_up), w_down, silu_input=True)
+
+
+class ResidualStream:
+    """A decoder step's residual stream [rows, hidden], as its ops read it and add to it.
+
+    fused: each op folds the RMSNorm it needs into its product and adds its output in place, so
+    `residual` is always current. Otherwise a sub-layer's output waits in `pending` for the next RMSNorm,
+    which adds it in the same kernel (add_rms_norm)."""
+
+    def __init__(self, x: torch.Tensor, fused: bool) -> None:
+        self.residual = x
+        self.pending: torch.Tensor | None = None
+        self.fused = fused
+
+    def normed(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of the stream, with the pending output added first (unfused ops)."""
+        if self.pending is None:
+            return rms_norm(self.residual, weight, eps)
+        h, self.residual = add_rms_norm(self.pending, self.residual, weight, eps)
+        self.pending = None
+        return h
+
+    def add(self, y: torch.Tensor) -> None:
+        """Add a sub-layer's output (unfused ops): it waits for the next RMSNorm."""
+        self.pending = y if self.pending is None else self.pending + y
+
+    def keep_rows(self, rows: torch.Tensor | None) -> None:
+        """Keep only `rows` (None: all), e.g. the rows whose logits are wanted."""
+        if rows is None:
+            return
+        self.residual = self.residual[rows]
+        if self.pending is not None:
+            self.pending = self.pending[rows]
+
+
+@dataclass
+class NormQKVRope:
+    """RMSNorm -> [q | k | v] product (+ bias) -> RMSNorm of each q and k head (head_norms) -> RoPE, with k
+    and v written to one layer's KV cache [n_seqs, n_kv_heads, ctx, head_dim]; returns the rotated q
+    [rows, n_heads, head_dim]. Fused, it is one tensor-core product (RoPE and the write in its epilogue)."""
+
+    norm: torch.Tensor
+    eps: float
+    w: Weight
+    bias: torch.Tensor | None
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None  # (q, k) weights [head_dim]
+    cos: torch.Tensor  # rope_cos_sin tables
+    sin: torch.Tensor
+    style: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """The epilogue rotates whole heads of a multiple of 16 values and has no per-head RMSNorm."""
+        rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
+                   and self.style in ("neox", "interleaved"))
+        return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
+
+    def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        n = stream.residual.shape[0]
+        if stream.fused:
+            rope = RopeWrite(self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.n_heads, self.n_kv_heads,
+                             self.style)
+            q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
+            return q.view(n, self.n_heads, self.head_dim)
+        qkv = linear(stream.normed(self.norm, self.eps), self.w, self.bias)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(n, self.n_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, self.n_kv_heads, self.head_dim)
+        if self.head_norms is not None:
+            q = rms_norm(q, self.head_norms[0], self.eps)
+            k = rms_norm(k, self.head_norms[1], self.eps)
+        return rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.style)
+
+
+@dataclass
+class LinearAdd:
+    """stream += x @ w^T: the product that ends a sub-layer (attention's output matrix)."""
+
+    w: Weight
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        return fusable(x, self.w)
+
+    def __call__(self, stream: ResidualStream, x: torch.Tensor) -> None:
+        if stream.fused:
+            linear_fused(x, self.w, add_to=stream.residual)
+        else:
+            stream.add(linear(x, self.w))
+
+
+@dataclass
+class NormFeedForwardAdd:
+    """stream += down(silu(gate) * up) of the stream's RMSNorm (the dense SwiGLU feed-forward)."""
+
+    norm: torch.Tensor
+    eps: float
+    w_gate_up: Weight
+    w_down: Weight
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        return (fusable(x, self.w_gate_up, norm_input=True) and fusable(x, self.w_down)
+                and self.w_gate_up.shape[0] % 16 == 0 and self.norm.dtype == torch.bfloat16)
+
+    def __call__(self, stream: ResidualStream) -> None:
+        if stream.fused:
+            feed_forward(stream.residual, self.w_gate_up, self.w_down, norm=(self.norm, self.eps),
+                         add_to=stream.residual)
+        else:
+            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down))
+
+
+@dataclass
+class NormLinear:
+    """RMSNorm of the stream -> product, e.g. the output head. It ends the step, so it folds the norm in
+    whenever its own product can, on a fused step."""
+
+    norm: torch.Tensor
+    eps: float
+    w: Weight
+    out_dtype: torch.dtype | None = None
+
+    def __call__(self, stream: ResidualStream) -> torch.Tensor:
+        if stream.fused and fusable(stream.residual, self.w, norm_input=True):
+            return linear_fused(stream.residual, self.w, norm=(self.norm, self.eps), out_dtype=self.out_dtype)
+        return linear(stream.normed(self.norm, self.eps), self.w, out_dtype=self.out_dtype)
+
+
+class StepOp(Protocol):
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether the op can fold its norm and add into its product for a step whose residual stream is x."""
+        ...
+
+
+class StepFusion:
+    """Opens each step's ResidualStream, fused only where every op of the step can fuse: then the stream is
+    current after every op, else added to by the next RMSNorm; a mix would need separate adds where the two
+    meet. Decided once per row count (the step's shapes fix it)."""
+
+    def __init__(self, ops: list[StepOp]) -> None:
+        self.ops = ops
+        self._by_rows: dict[int, bool] = {}
+
+    def stream(self, x: torch.Tensor) -> ResidualStream:
+        rows = x.shape[0]
+        if rows not in self._by_rows:
+            self._by_rows[rows] = all(op.fusable(x) for op in self.ops)
+        return ResidualStream(x, self._by_rows[rows])
