@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing
 import os
@@ -34,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,25 +106,46 @@ def mix_conversations(conversations: list[list[dict]], mix: str) -> list[list[di
     raise SystemExit(f"unknown mix {mix!r} (workload, shared-system, long)")
 
 
-def kv_tokens(url: str, headers: dict[str, str]) -> int | None:
+def kv_tokens(client: httpx.Client) -> int | None:
     """KV positions in use, from /metrics; None where the server has no such gauge."""
     try:
-        text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+        text = client.get("/metrics").text
     except httpx.HTTPError:
         return None
     found = re.search(r"^\S*kv_cache_tokens(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
     return int(float(found.group(1))) if found else None
 
 
-async def sample_kv_peak(url: str, headers: dict[str, str], stop: asyncio.Event) -> int | None:
+def _sample_kv_peak(url: str, headers: dict[str, str], started: Any, stop: Any, peak_out: Any) -> None:
+    """A process of its own, so that its scrapes take no time from the clients' event loop."""
     peak: int | None = None
-    while not stop.is_set():
-        value = await asyncio.to_thread(kv_tokens, url, headers)
-        if value is not None:
-            peak = max(peak or 0, value)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.25)
-    return peak
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        while True:
+            value = kv_tokens(client)
+            if value is not None:
+                peak = max(peak or 0, value)
+            started.set()
+            if stop.wait(0.25):
+                break
+    peak_out.put(peak)
+
+
+class KVPeak:
+    """The most KV positions in use while a level runs, sampled from /metrics every 0.25 s."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        ctx = multiprocessing.get_context("spawn")
+        started, self._stop, self._peak = ctx.Event(), ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_sample_kv_peak, args=(url, headers, started, self._stop, self._peak),
+                                 daemon=True)
+        self._proc.start()
+        started.wait(120)  # its first scrape done: it samples the whole level
+
+    def result(self) -> int | None:
+        self._stop.set()
+        peak = self._peak.get(timeout=60)
+        self._proc.join(30)
+        return peak
 
 
 def spec_fields(mode: str) -> dict[str, object]:
@@ -164,25 +185,30 @@ async def one_request(client: httpx.AsyncClient, prompt: str, n_predict: int, mo
 
 
 async def _run_clients(url: str, headers: dict[str, str], prompts: list[str], ids: list[int], clients: int,
-                       requests: int, n_predict: int, mode: str, cache_prompt: bool) -> list[RequestStats]:
-    """Clients `ids` (of `clients`) over one connection pool, each sending its requests one after another."""
+                       requests: int, n_predict: int, mode: str, cache_prompt: bool,
+                       ready: Callable[[], Any] | None = None) -> tuple[float, float, list[RequestStats]]:
+    """Clients `ids` (of `clients`) over one connection pool, each sending its requests one after another.
+    Their connections open before the clock starts (a client keeps its connection; connecting is not the
+    server's work), then `ready()` (e.g. a barrier with other client processes). Returns (start, end, stats)."""
     limits = httpx.Limits(max_connections=len(ids) + 4)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+        await asyncio.gather(*(client.get("/health") for _ in ids))  # one connection each, concurrently
+        if ready is not None:
+            await asyncio.to_thread(ready)
 
         async def client_loop(i: int) -> list[RequestStats]:
             return [await one_request(client, prompts[(i + k * clients) % len(prompts)], n_predict, mode,
                                       cache_prompt) for k in range(requests)]
 
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
         per_client = await asyncio.gather(*(client_loop(i) for i in ids))
-    return [s for stats in per_client for s in stats]
+        t1 = time.perf_counter()
+    return t0, t1, [s for stats in per_client for s in stats]
 
 
 def _client_process(job: tuple, start: Any, results: Any) -> None:
-    """One client process: waits for the others, runs its share, reports (start, end, stats)."""
-    start.wait()
-    t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
-    stats = asyncio.run(_run_clients(*job))
-    results.put((t0, time.perf_counter(), stats))
+    """One client process: connects, waits for the others, runs its share, reports (start, end, stats)."""
+    results.put(asyncio.run(_run_clients(*job, ready=lambda: start.wait(timeout=120))))
 
 
 def _run_in_processes(n_procs: int, url: str, headers: dict[str, str], prompts: list[str], clients: int,
@@ -190,13 +216,12 @@ def _run_in_processes(n_procs: int, url: str, headers: dict[str, str], prompts: 
     """The clients spread over n_procs processes: one Python process parses ~10k events/s, which is less than
     the server sends at 64 clients. Returns (wall seconds, stats)."""
     ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Barrier(n_procs + 1), ctx.Queue()
+    start, results = ctx.Barrier(n_procs), ctx.Queue()
     procs = [ctx.Process(target=_client_process, daemon=True,
                          args=((url, headers, prompts, list(range(k, clients, n_procs)), clients, requests,
                                 n_predict, mode, cache_prompt), start, results)) for k in range(n_procs)]
     for proc in procs:
         proc.start()
-    start.wait(timeout=120)
     done = [results.get(timeout=3600) for _ in procs]
     for proc in procs:
         proc.join(30)
@@ -207,18 +232,15 @@ def _run_in_processes(n_procs: int, url: str, headers: dict[str, str], prompts: 
 async def run_level(url: str, headers: dict[str, str], prompts: list[str], clients: int, requests: int,
                     n_predict: int, mode: str, cache_prompt: bool = False, client_procs: int = 1) -> LevelResult:
     n_procs = max(1, min(client_procs, clients // 8))  # a process per 8 clients at least
-    stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_kv_peak(url, headers, stop))
+    sampler = KVPeak(url, headers)
     if n_procs == 1:
-        t0 = time.perf_counter()
-        all_stats = await _run_clients(url, headers, prompts, list(range(clients)), clients, requests, n_predict,
-                                       mode, cache_prompt)
-        wall = time.perf_counter() - t0
+        t0, t1, all_stats = await _run_clients(url, headers, prompts, list(range(clients)), clients, requests,
+                                               n_predict, mode, cache_prompt)
+        wall = t1 - t0
     else:
         wall, all_stats = await asyncio.to_thread(_run_in_processes, n_procs, url, headers, prompts, clients,
                                                   requests, n_predict, mode, cache_prompt)
-    stop.set()
-    kv_peak = await sampler
+    kv_peak = sampler.result()
     ttft = np.array([s.ttft for s in all_stats]) * 1000
     gaps = np.array([g for s in all_stats for g in s.gaps] or [0.0]) * 1000
     tokens = sum(s.tokens for s in all_stats)
@@ -351,7 +373,8 @@ def main() -> int:
     try:
         props = httpx.get(url + "/props", headers=headers, timeout=30).json()
         prompts = render_prompts(url, headers, conversations)
-        asyncio.run(run_level(url, headers, prompts[:1], 1, 1, 8, "none"))  # warm-up
+        for mode in modes:  # warm-up: a mode's first request pays one-time costs (e.g. kernels first loaded)
+            asyncio.run(run_level(url, headers, prompts[:1], 1, 1, 8, mode))
         results = []
         for clients in levels:
             runs: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
