@@ -207,20 +207,28 @@ MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False
             "wo": (1536, 1536, False, 4, 32), "gate_up": (17920, 1536, False, 4, 32),
             "down_q4k": (1536, 8960, True, 4, 32), "down_q6k": (1536, 8960, True, 8, 16),
             "output": (151936, 1536, False, 8, 16)}
+# Qwen3-30B-A3B's dense products in q8 (moe_bench's model: the attention and the output head around the experts).
+MOE_MATRICES = {"wqkv": (5120, 2048, False, 8, 32), "wo": (2048, 4096, False, 8, 32),
+                "output": (151936, 2048, False, 8, 32)}
+MATRIX_SETS = {"qwen2.5-coder-1.5b": MATRICES, "qwen3moe": MOE_MATRICES}
 # CUDA kernel: (output rows per warp, groups in flight per lane, warps splitting K) per row count.
 SWEEP = {1: [(2, 1, 1), (2, 1, 2)], 8: [(2, 1, 1)]}
 # Tensor-core kernel: (16-row tiles per block, warps splitting K, groups in flight per warp).
+# A fourth number: blocks of a cluster splitting K (KC; sm_90+).
 MMA_SWEEP = [(1, 8, 2), (1, 16, 2), (2, 4, 2), (2, 4, 3), (4, 2, 2), (8, 2, 1), (1, 4, 2), (1, 4, 3), (2, 2, 2),
-             (4, 1, 2), (8, 1, 1)]
+             (4, 1, 2), (8, 1, 1), (3, 2, 2), (2, 2, 1), (1, 8, 2, 2), (2, 4, 2, 2), (2, 4, 2, 4), (4, 4, 2, 4),
+             (1, 16, 2, 2), (4, 2, 2, 2)]
 
 
-def quant_copies(n: int, k: int, bits: int, group: int) -> list[QuantWeight]:
+def quant_copies(n: int, k: int, bits: int, group: int, q8_range: int = 32) -> list[QuantWeight]:
+    """Copies of a random packed matrix; 8-bit values in [-q8_range, q8_range) (Q6_K's fit in 7 bits, Q8_0's
+    need 128, which the kernels treat apart)."""
     per = n * k * (bits / 8 + 4 / group)
     copies = max(1, -(-300_000_000 // int(per)))  # > L2 (60 MB), several times
     out = []
     for _ in range(copies):
         q = torch.randint(0, 16, (n, k), dtype=torch.int8, device=DEV) if bits == 4 else \
-            torch.randint(-32, 32, (n, k), dtype=torch.int8, device=DEV)
+            torch.randint(-q8_range, q8_range, (n, k), dtype=torch.int8, device=DEV)
         scale = torch.rand(n, k // group, device=DEV) * 0.01
         out.append(QuantWeight.from_ints(q, scale, scale * 4 if bits == 4 else None, group))
         assert out[-1].bits == bits
@@ -274,7 +282,8 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
         return quant_cuda.gemv(x, qs(), None, silu, torch.bfloat16, blocks=blocks, kernel=kernel)
 
     variants = [(f"rn{rn}u{u}k{ks}", "gemv_q", {"RN": rn, "U": u, "KSPLIT": ks}) for rn, u, ks in SWEEP[m]]
-    variants += [(f"mma_t{tl}k{ks}d{d}", "gemv_mma", {"TILES": tl, "KSPLIT": ks, "D": d}) for tl, ks, d in MMA_SWEEP]
+    variants += [(f"mma_t{tl}k{ks}d{d}" + (f"c{kc[0]}" if kc else ""), "gemv_mma",
+                  {"TILES": tl, "KSPLIT": ks, "D": d, **({"KC": kc[0]} if kc else {})}) for tl, ks, d, *kc in MMA_SWEEP]
     prebuild_calls([cuda, lambda: cuda(kernel="gemv_mma")]
                    + [lambda b=blocks, kn=kernel: cuda(b, kn) for _, kernel, blocks in variants])
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
@@ -286,7 +295,7 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     r["cuda"] = timed(cuda, calls, qbytes)
     r["cuda_blocks"] = block_shapes.pick_cuda_blocks(k)
     r["mma"] = timed(lambda: cuda(kernel="gemv_mma"), calls, qbytes)
-    r["mma_blocks"] = block_shapes.pick_mma_blocks(n, k)
+    r["mma_blocks"] = block_shapes.pick_mma_blocks(n, k, m, clusters=True)  # (sm_90: clusters allowed)
     best: dict[str, tuple[str, float]] = {}
     for label, kernel, blocks in variants:
         us = timed(lambda b=blocks, kn=kernel: cuda(b, kn), calls, qbytes).get("us")
@@ -298,18 +307,18 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
     return r
 
 
-def section_matrices() -> None:
+def section_matrices(matrix_set: str = "qwen2.5-coder-1.5b") -> None:
     """Each projection alone: bf16 (cuBLAS, Triton) vs the quantized kernels over a sweep of blocks."""
     rows_out = []
-    for name, (n, k, silu, bits, group) in MATRICES.items():
-        qs = Rotation(quant_copies(n, k, bits, group))
+    for name, (n, k, silu, bits, group) in MATRIX_SETS[matrix_set].items():
+        qs = Rotation(quant_copies(n, k, bits, group, 128 if matrix_set == "qwen3moe" else 32))
         fl = Rotation([(torch.randn(n, k, device=DEV) * k ** -0.5).to(torch.bfloat16)
                        for _ in range(max(1, -(-300_000_000 // (n * k * 2))))])
         for m in (1, 8):
             rows_out.append(bench_matrix(name, n, k, silu, m, qs, fl))
         del qs, fl
         torch.cuda.empty_cache()
-    RESULTS["matrices"] = rows_out
+    RESULTS["matrices" if matrix_set == "qwen2.5-coder-1.5b" else f"matrices_{matrix_set}"] = rows_out
     timings = ("cublas_bf16", "triton_bf16", "triton", "cuda", "mma", "best_gemv_mma")
     print_table([{**r, **{t: r[t].get("us") for t in timings if isinstance(r.get(t), dict)},
                   "best blocks": r.get("best_gemv_mma", {}).get("blocks")} for r in rows_out],
@@ -408,6 +417,8 @@ def main() -> None:
     ap.add_argument("--sections", default="model,logits,profile,matrices")
     ap.add_argument("--fused-rows", default="1,2,8", help="row counts of the fused section")
     ap.add_argument("--no-sweep", action="store_true", help="fused section: default blocks only")
+    ap.add_argument("--matrix-set", default="qwen2.5-coder-1.5b", choices=sorted(MATRIX_SETS),
+                    help="matrices section: whose shapes (qwen3moe: moe_bench's dense products, q8)")
     args = ap.parse_args()
     out = output_path(args.output, "kernel_bench.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +431,8 @@ def main() -> None:
             if sec == "profile":
                 section_profile(out.parent)
             else:
-                {"model": section_model, "logits": section_logits, "matrices": section_matrices,
+                {"model": section_model, "logits": section_logits,
+                 "matrices": lambda: section_matrices(args.matrix_set),
                  "prefill": section_prefill, "probe": section_probe,
                  "fused": lambda: section_fused(tuple(int(r) for r in args.fused_rows.split(",")),
                                                 not args.no_sweep)}[sec]()
