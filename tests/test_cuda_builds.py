@@ -82,11 +82,15 @@ def test_block_shapes_keep_the_summation_order_across_row_counts() -> None:
     def order(cfg: dict[str, int]) -> tuple[int, int, int]:
         return cfg["KSPLIT"], cfg["D"], cfg.get("KC", 1)
 
+    shapes = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536), (5120, 2048), (2048, 4096),
+              (151936, 2048))
     for clusters in (False, True):
-        for n, k in ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)):
-            one = block_shapes.pick_mma_blocks(n, k, 1, clusters)
-            for rows in range(2, 17):
-                assert order(block_shapes.pick_mma_blocks(n, k, rows, clusters)) == order(one), (n, k, rows)
+        for q8 in (False, True):
+            for n, k in shapes:
+                one = block_shapes.pick_mma_blocks(n, k, 1, clusters, q8)
+                for rows in range(2, 17):
+                    got = block_shapes.pick_mma_blocks(n, k, rows, clusters, q8)
+                    assert order(got) == order(one), (n, k, rows, q8)
     assert block_shapes.pick_mma_blocks(1536, 8960, 1, True)["KC"] == 4
     assert order(block_shapes.pick_mma_blocks(1536, 8960, 1, False)) == (16, 2, 1)
 
@@ -157,7 +161,8 @@ def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatc
             quant_cuda.gemv(torch.zeros(rows, 2 * k, dtype=torch.bfloat16), weight(40, k, 4, 16, 15),
                             torch.zeros(40, dtype=torch.bfloat16), True, torch.float32, kernel="gemv_q")
     assert {key[0] for key in keys} == {"gemv_mma", "gemv_q"} and len(keys) == 2 * 16 * 5
-    assert {key[-2] for key in keys if key[0] == "gemv_mma"} == {1, 4}  # KC: clusters split down's K
+    # KC: clusters split down's K in four, a q8 product's in two
+    assert {key[-2] for key in keys if key[0] == "gemv_mma"} == {1, 2, 4}
     ids = torch.zeros(3, 8, dtype=torch.long)  # mixture-of-experts pairs: 3 tokens x 8 slots of 4 experts
     act = quant_cuda.expert_gemv(torch.zeros(3, k, dtype=torch.bfloat16), ids, weight(4 * 64, k, 4, 32, 15), 4,
                                  torch.bfloat16, by_token=True, swiglu_output=True)

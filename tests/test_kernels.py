@@ -43,8 +43,12 @@ def test_add_rms_norm(rows: int, cols: int) -> None:
 
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
-def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int) -> None:
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int, head_norms: bool) -> None:
+    """head_norms: Qwen3's per-head RMSNorms of q and k, folded into the same launch, against rms_norm_ref of
+    each head then the reference RoPE."""
     from specserve.kernels import rope_triton
+    from specserve.kernels.rmsnorm import rms_norm_ref
     from specserve.kernels.rope import rope_and_cache_ref, rope_cos_sin
 
     n_tok, n_seqs, ctx = 11, 3, 40
@@ -57,7 +61,11 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int) -> N
     seq_ids = torch.randint(0, n_seqs, (n_tok,), device=DEVICE)
     kv = torch.randn(2, 2, n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)  # [layer, k/v, ...]
     kv_ref = kv.clone()
-    got_q = rope_triton.rope_and_cache(q, k, v, cos, sin, positions, seq_ids, kv[1, 0], kv[1, 1], style)
+    norms = (torch.rand(head_dim, device=DEVICE) + 0.5, torch.rand(head_dim, device=DEVICE) + 0.5, 1e-6)
+    got_q = rope_triton.rope_and_cache(q, k, v, cos, sin, positions, seq_ids, kv[1, 0], kv[1, 1], style,
+                                       norms if head_norms else None)
+    if head_norms:
+        q, k = rms_norm_ref(q, norms[0], norms[2]), rms_norm_ref(k, norms[1], norms[2])
     ref_q = rope_and_cache_ref(q, k, v, cos, sin, positions, seq_ids, kv_ref[1, 0], kv_ref[1, 1], style)
     assert rel_err(got_q, ref_q) < TOL
     assert rel_err(kv, kv_ref) < TOL

@@ -207,7 +207,8 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
     def variant(rows: int) -> tuple[tuple, dict[str, int], int, int, int, int]:
         """The key, blocks, grid, staged groups, bytes per staged row and shared memory for `rows` rows."""
         clusters = build.sm90(device) and not fused[1]  # RMSNorm takes whole rows
-        shape = block_shapes.pick_expert_blocks() if experts else block_shapes.pick_mma_blocks(n_out, k, rows, clusters)
+        shape = (block_shapes.pick_expert_blocks() if experts
+                 else block_shapes.pick_mma_blocks(n_out, k, rows, clusters, q8=w.bits == 8 and not seven_bits))
         cfg = {**shape, **(cfg_override or {})}
         cfg["KC"] = cfg.get("KC", 1) if clusters else 1
         grid = -(-n_tiles // cfg["TILES"]) * cfg["KC"]

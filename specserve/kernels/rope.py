@@ -9,6 +9,7 @@ import torch
 
 from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.rmsnorm import rms_norm
 
 
 def rope_cos_sin(rope_dim: int, base: float, max_pos: int, scale: float = 1.0,
@@ -60,12 +61,17 @@ def rope_and_cache_ref(
 def rope_and_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
+    """rope_and_cache_ref; head_norms (q weight, k weight, eps): each q and k head RMS-normalised first (in the
+    same launch where Triton runs)."""
     if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1]:
         from specserve.kernels import rope_triton
 
         return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids,
-                                          k_cache, v_cache, style)
+                                          k_cache, v_cache, style, head_norms)
+    if head_norms is not None:
+        q, k = rms_norm(q, head_norms[0], head_norms[2]), rms_norm(k, head_norms[1], head_norms[2])
     if cpu_ops.rope_takes(q, k, v, positions, seq_ids, k_cache, v_cache) and cos_table.dtype == torch.float32:
         return cpu_ops.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
     return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)

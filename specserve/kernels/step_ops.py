@@ -130,10 +130,9 @@ class NormQKVRope:
         q = qkv[:, :q_size].view(n, self.n_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(n, self.n_kv_heads, self.head_dim)
-        if self.head_norms is not None:
-            q = rms_norm(q, self.head_norms[0], self.eps)
-            k = rms_norm(k, self.head_norms[1], self.eps)
-        return rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.style)
+        head_norms = (*self.head_norms, self.eps) if self.head_norms is not None else None
+        return rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.style,
+                              head_norms)
 
 
 @dataclass

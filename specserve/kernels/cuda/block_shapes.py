@@ -25,7 +25,7 @@ def pick_cuda_blocks(k: int) -> dict[str, int]:
     return {"RN": 2, "U": 1, "KSPLIT": 2 if k >= 4096 else 1}
 
 
-def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> dict[str, int]:
+def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False, q8: bool = False) -> dict[str, int]:
     """gemv_mma: 16-row tiles per block (TILES), warps splitting K (KSPLIT), groups in flight per warp (D),
     blocks of a cluster splitting K (KC) and MINB, the blocks per SM the registers must leave room for (0: as
     many as put the grid in one wave, `one_wave_blocks`). KSPLIT, D and KC come from the shape only (and from
@@ -35,8 +35,19 @@ def pick_mma_blocks(n: int, k: int, rows: int = 1, clusters: bool = False) -> di
     6-16 rows clearly less, since each block stages only a quarter of K for every row; two tiles a block
     up to 2 rows, four above. Several rows take more registers than one, so without a bound gate_up's
     blocks would need a second wave, and MINB bounds them to one. Three tiles per block for mid-size
-    matrices (gate_up) balance the SMs better than two and stage the activations fewer times."""
+    matrices (gate_up) balance the SMs better than two and stage the activations fewer times.
+
+    q8 (8-bit words of full range, Q8_0's: twice the bytes of a Q4 row) has rules of its own with clusters,
+    from the H200 sweep over Qwen3-30B-A3B's dense products (`kernel_bench.py --matrix-set qwen3moe`, us at 1 /
+    8 rows, the Q4 rules -> these): wqkv 5120 x 2048 14.0 / 14.8 -> 7.9 / 11.0, wo 2048 x 4096 10.4 / 12.8 ->
+    6.6 / 7.2, the output head 151936 x 2048 121.2 -> 116.1 at one row."""
     n_tiles = -(-n // 16)
+    if q8 and clusters:
+        if n_tiles <= 256 and k >= 4096:
+            return {"TILES": 1, "KSPLIT": 8, "D": 2, "KC": 2, "MINB": 0}
+        if n_tiles <= 2048:
+            return {"TILES": 2, "KSPLIT": 4, "D": 2, "KC": 2, "MINB": 0}
+        return {"TILES": 2 if rows <= 2 else 8, "KSPLIT": 2, "D": 1, "MINB": 0}
     if n_tiles <= 256 and k >= 4096 and clusters:
         return {"TILES": 2 if rows <= 2 else 4, "KSPLIT": 4, "D": 2, "KC": 4, "MINB": 0}
     if n_tiles <= 256:  # few tiles (wqkv, wo, down): one per block, 16 warps splitting K; unbounded (one wave
