@@ -171,3 +171,23 @@ def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatc
     assert [key[-1] for key in keys[-2:]] == [8, 1]  # EXPERTS: x rows per pair divisor
     for key in set(keys):
         assert not set(re.findall(r"__[A-Z][A-Z0-9_]*__", build.kernel_source(key))) - {"__CUDA_ARCH__"}, key
+
+
+def test_rows_past_sixteen_launch_once_for_their_whole_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-row product: one launch of two 16-row slices (block rows) of the 16-row variant, then one of the
+    8 rows left; the CUDA-core kernel keeps a launch per slice."""
+    from specserve.kernels.linear import QuantWeight
+
+    launches: list[tuple] = []
+    monkeypatch.setattr(build, "kernel", lambda key, sibling=None: key)
+    monkeypatch.setattr(build, "launch", lambda built, grid, *args, **kwargs: launches.append((built, grid)))
+    monkeypatch.setattr(block_shapes, "sm_resources", lambda device: (132, 228 * 1024))
+    monkeypatch.setattr(build, "sm90", lambda device: True)
+    monkeypatch.setattr(build, "pdl_enabled", lambda device: False)
+    w = QuantWeight(torch.zeros(1, 1, dtype=torch.int32).expand(96, 64), torch.zeros(1, 1, 2).expand(96, 16, 2), 4,
+                    32, 15)
+    quant_cuda.gemv(torch.zeros(40, 512, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_mma")
+    assert [(key[3], grid[1]) for key, grid in launches] == [(16, 2), (8, 1)]
+    launches.clear()
+    quant_cuda.gemv(torch.zeros(40, 512, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_q")
+    assert len(launches) == 3

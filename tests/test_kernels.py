@@ -447,3 +447,39 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
     for got, ref in zip(outs["triton"], outs["torch"], strict=True):
         assert got.dtype == torch.float32
         assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
+@pytest.mark.parametrize("fold", ["plain", "logits", "norm", "add", "swiglu", "rope"])
+def test_sixteen_row_slices_in_one_launch_match_their_own_launches(fold: str) -> None:
+    """More than 16 rows (a prompt chunk in batch-invariant mode) run as one launch over 16-row slices (block
+    rows): every slice, and the remainder, bit for bit what a call of its own rows gives, KV writes included."""
+    from specserve.kernels import quant_cuda
+    from specserve.kernels.rope import RopeWrite, rope_cos_sin
+
+    k, n_heads, n_kv, head_dim, rows, n_seqs, ctx = 512, 4, 2, 64, 53, 2, 64
+    n_out = (n_heads + 2 * n_kv) * head_dim
+    w = random_quant(n_out, k, 32, True)
+    x = torch.randn(rows, k, device=DEVICE).to(DTYPE)
+    norm = ((torch.rand(k, device=DEVICE) + 0.5).to(DTYPE), 1e-6) if fold == "norm" else None
+    residual = torch.randn(rows, n_out, device=DEVICE).to(DTYPE)
+    cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
+    positions = torch.randperm(n_seqs * ctx, device=DEVICE)[:rows]
+    seq_ids, positions = positions // ctx, positions % ctx  # every (sequence, position) written once
+
+    def call(part: slice, caches: torch.Tensor) -> torch.Tensor:
+        rope = (RopeWrite(cos, sin, positions[part], seq_ids[part], caches[0], caches[1], n_heads, n_kv, "neox")
+                if fold == "rope" else None)
+        add_to = residual[part].clone() if fold == "add" else None
+        return quant_cuda.gemv(x[part], w, None, False, torch.float32 if fold == "logits" else DTYPE,
+                               kernel="gemv_mma", swiglu_output=fold == "swiglu", norm=norm, add_to=add_to,
+                               rope=rope)
+
+    caches = torch.zeros(2, n_seqs, n_kv, ctx, head_dim, device=DEVICE, dtype=DTYPE)
+    pieces_kv = torch.zeros_like(caches)
+    whole = call(slice(0, rows), caches)
+    pieces = torch.cat([call(slice(i, min(i + 16, rows)), pieces_kv) for i in range(0, rows, 16)])
+    assert torch.equal(whole, pieces)
+    assert torch.equal(caches, pieces_kv)
+    if fold == "rope":
+        assert caches.abs().sum() > 0

@@ -153,8 +153,13 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
         out = add_to.view(x2.shape[0], n_out)
     else:
         out = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
+    rows, start = x2.shape[0], 0
+    if kernel == "gemv_mma" and rows >= 2 * ROWS_PER_LAUNCH:  # whole 16-row slices in one launch (block rows)
+        start = rows // ROWS_PER_LAUNCH * ROWS_PER_LAUNCH
+        _launch_mma(x2[:start], w, bias, silu_input, out[:start], blocks, fused, norm,
+                    rope.rows(0, start) if rope is not None else None, slices=start // ROWS_PER_LAUNCH)
     launch_rows = _launch_mma if kernel == "gemv_mma" else _launch_core
-    for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):
+    for i in range(start, rows, ROWS_PER_LAUNCH):
         end = i + ROWS_PER_LAUNCH
         launch_rows(x2[i:end], w, bias, silu_input, out[i:end], blocks, fused, norm,
                     rope.rows(i, end) if rope is not None else None)
@@ -187,10 +192,11 @@ def expert_gemv(x: torch.Tensor, ids: torch.Tensor, w: QuantWeight, n_expert: in
 
 def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out: torch.Tensor,
                 cfg_override: dict[str, int] | None, fused: tuple[bool, ...], norm: tuple[torch.Tensor, float] | None,
-                rope: RopeWrite | None, experts: tuple[torch.Tensor, int, int] | None = None) -> None:
+                rope: RopeWrite | None, experts: tuple[torch.Tensor, int, int] | None = None, slices: int = 1) -> None:
     """One tensor-core launch over 1..16 rows x2 [rows, K or 2K] into out [rows, N] (N / 2 with SwiGLU, q's
-    width with RoPE; both row-contiguous). fused: (SwiGLU output, RMSNorm input, add to out, RoPE and KV
-    write). experts (ids [pairs] int64, n_expert, x rows per pair divisor): one row per pair (`expert_gemv`)."""
+    width with RoPE; both row-contiguous), or over `slices` slices of 16 rows each (block rows: each slice as
+    its own launch would compute it). fused: (SwiGLU output, RMSNorm input, add to out, RoPE and KV write).
+    experts (ids [pairs] int64, n_expert, x rows per pair divisor): one row per pair (`expert_gemv`)."""
     n_out, k = w.shape
     n_pairs = 1
     if experts is not None:
@@ -222,7 +228,8 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
                  *fused[:3], *rope_flags, minb, cfg["KC"], experts[2] if experts else 0), cfg, grid, cg, row_bytes,
                 smem)
 
-    key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0])
+    assert slices == 1 or (experts is None and x2.shape[0] == slices * ROWS_PER_LAUNCH and out.is_contiguous())
+    key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0] // slices)
     built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
@@ -231,8 +238,8 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
     assert smem <= block_shapes.MMA_SMEM_BYTES, "activations too wide to stage"
     args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra,
             experts[0] if experts else x2]
-    build.launch(built, (grid, n_pairs), 32 * cfg["TILES"] * cfg["KSPLIT"], args, smem, build.pdl_enabled(device),
-                 cfg["KC"])
+    build.launch(built, (grid, n_pairs * slices), 32 * cfg["TILES"] * cfg["KSPLIT"], args, smem,
+                 build.pdl_enabled(device), cfg["KC"])
 
 
 def _launch_core(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool, out: torch.Tensor,

@@ -18,7 +18,8 @@
 #define KC __KC__                // blocks of a thread-block cluster splitting K: each a contiguous share of whole
                                  // steps, their sums added in rank order through distributed shared memory
 #define EXPERTS __EXPERTS__      // 0, or mixture-of-experts pairs (one row each, M 1): block row y is pair y, which
-                                 // multiplies x row y / EXPERTS by expert ids[y]'s N rows of the stacked matrix
+                                 // multiplies x row y / EXPERTS by expert ids[y]'s N rows of the stacked matrix;
+                                 // without EXPERTS block row y is the y-th slice of M rows (many slices, one launch)
 #define WARPS (TILES * KSPLIT)
 #if KC > 1 && NORM
 #error "RMSNorm needs whole rows: no K split across blocks"
@@ -157,6 +158,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
         sm += expert * N * (K / G);
         x += pair / EXPERTS * stride_x;
         out = (char*)out + pair * (SWIGLU ? N / 2 : N) * (OUT_F32 ? 4 : 2);
+    }
+#else
+    {  // slice y: rows y * M .. y * M + M - 1 of x, out, and (RoPE) of pos and seq; the same sums as its own launch
+        const u64 first = (u64)blockIdx.y * M;
+        x += first * stride_x;
+        out = (char*)out + first * (SWIGLU ? N / 2 : ROPE ? n_q_heads * ROPE_HD : N) * (OUT_F32 ? 4 : 2);
+        pos += first;
+        seq += first;
     }
 #endif
     bf16_t* xs = (bf16_t*)smem;                        // [M][row_bytes / 2]: groups of GP
