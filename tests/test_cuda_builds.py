@@ -27,6 +27,8 @@ def test_one_request_builds_every_row_count_once(monkeypatch: pytest.MonkeyPatch
     assert build.kernel(("gemv_mma", 4, 32, 8, 2, 1, 4, True, False, False, False, False))[1][3] == 8
     other = ("gemv_q", 8, 4, 1, 2, 1, 1, False, False, True)
     build.prebuild([other])
+    for future in list(build._builds.values()):  # the siblings build in a pool: wait for them all
+        future.result()
     rows = sorted(key[3] for key in built if key[0] == "gemv_mma")
     assert rows == list(range(1, 17))  # all 16 row counts of the first variant, each built once
     assert other in built and len(built) == 17
@@ -44,6 +46,8 @@ def test_first_request_builds_the_keys_each_row_count_will_ask_for(monkeypatch: 
         return ("gemv_mma", 4, 32, rows, 2 if rows == 1 else 4)
 
     build.kernel(sibling(1), sibling)
+    for future in list(build._builds.values()):  # (the other 15 build in a pool: the test waits for them)
+        future.result()
     assert sorted(built) == sorted(sibling(rows) for rows in range(1, 17))
     assert build.kernel(sibling(9), sibling) == ("kernel", sibling(9)) and len(built) == 16  # built already
 
