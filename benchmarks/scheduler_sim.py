@@ -31,12 +31,14 @@ from specserve.speculative.factory import build_chain
 VOCAB = 1000
 
 
-class FakeStep:
-    def __init__(self, tokens: list[int], t_done: float):
-        self._tokens, self._t_done = tokens, t_done
+class TimedStep:
+    """A step whose "device" finishes at done_at (perf_counter seconds); row i's argmax is tokens[i]."""
+
+    def __init__(self, tokens: list[int], done_at: float, vocab: int = VOCAB):
+        self._tokens, self._done_at, self._vocab = tokens, done_at, vocab
 
     def wait(self) -> None:
-        left = self._t_done - time.perf_counter()
+        left = self._done_at - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
@@ -46,7 +48,7 @@ class FakeStep:
 
     def logits(self) -> torch.Tensor:
         self.wait()
-        out = torch.full((len(self._tokens), VOCAB), -10.0)
+        out = torch.full((len(self._tokens), self._vocab), -10.0)
         out[torch.arange(len(self._tokens)), torch.tensor(self._tokens)] = 10.0
         return out
 
@@ -65,14 +67,14 @@ class FakeRunner:
         self.step_s, self.row_s = step_ms / 1e3, row_ms / 1e3
         self._free_at = 0.0
 
-    def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> FakeStep:
+    def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:
         self.ledger.admit(batch, fed)
         text_of = self.texts
         tokens = [text_of[batch.seq_ids[i]][(batch.positions[i] + 1) % len(text_of[batch.seq_ids[i]])]
                   for i in batch.logit_rows()]
         start = max(time.perf_counter(), self._free_at)
         self._free_at = start + self.step_s + self.row_s * len(batch)
-        return FakeStep(tokens, self._free_at)
+        return TimedStep(tokens, self._free_at)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.launch(batch).logits()
