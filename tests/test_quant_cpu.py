@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specserve.kernels import quant_cpu
-from specserve.kernels.linear import QuantWeight, dequantize_ref, linear
+from specserve.kernels.linear import QuantWeight, dequantize_ref, linear, quantize_q8
 
 pytestmark = pytest.mark.skipif(not quant_cpu.kernel_built(), reason="needs a C compiler and AVX2 (+FMA, F16C) or "
                                 "AVX-512 VNNI (the product dequantizes instead)")
@@ -126,3 +126,20 @@ def test_products_from_several_threads_at_once() -> None:
         results = list(pool.map(lambda i: all(torch.equal(quant_cpu.gemv(xs[i % 2], weights[i % 2]), refs[i % 2])
                                               for _ in range(50)), range(4)))
     assert all(results)
+
+
+def test_call_plans_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights loaded again and again (new addresses) never grow the plan cache past MAX_PLANS; a cleared
+    cache rebuilds plans that give the same products."""
+    if not quant_cpu.int8_built():
+        pytest.skip("no CPU kernel library here")
+    monkeypatch.setattr(quant_cpu, "MAX_PLANS", 3)
+    monkeypatch.setattr(quant_cpu, "_plans", {})
+    x = torch.randn(1, 64)
+    first, kept = None, []
+    for _ in range(5):
+        w = quantize_q8(torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).sin())
+        kept.append(w)  # alive: a new address each time
+        y = quant_cpu.gemv(x, w)
+        first = y if first is None else first
+        assert torch.equal(y, first) and len(quant_cpu._plans) <= 3

@@ -166,6 +166,7 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
+MAX_PLANS = 4096  # a few models' weights; past it (models loaded again and again) the cache starts over
 
 
 def _plan(w: QuantWeight, kernel: str) -> _Plan:
@@ -186,6 +187,8 @@ def _plan(w: QuantWeight, kernel: str) -> _Plan:
         plan = _Plan(lib.q_gemv_i8 if kernel == "int8" else lib.q_gemv, w.words.data_ptr(), w.sm.data_ptr(), perm,
                      perm.data_ptr(), n, k, (n, k, words_per_row, w.sm.shape[1], w.bits, w.group * w.bits // 32,
                                              chunks), perm.numel() + chunks * 16)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
         _plans[key] = plan
     return plan
 
