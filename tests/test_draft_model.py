@@ -94,3 +94,25 @@ def test_generate_prints_spec_statistics(smollm_path) -> None:
         assert re.search(rf"statistics {name}: #calls = \d+, #gen drafts = \d+, #acc drafts = \d+, "
                          rf"#gen tokens = \d+, #acc tokens = \d+", err), err
     assert re.search(r"^\s*prompt eval time", err, re.M) and re.search(r"^\s+eval time", err, re.M), err
+
+
+def test_drafting_together_gives_each_its_own_draft(smollm_path) -> None:
+    """draft_together: several sequences' drafts in shared forwards (one per draft token) equal each drafted
+    alone (the CPU kernels give a row the same bits in any batch), drafts of different lengths included."""
+    from specserve.engine.local_runner import LocalRunner
+    from specserve.speculative.draft_model import draft_together
+
+    runner = LocalRunner(smollm_path, n_seqs=3, n_ctx=256, device="cpu", progress=False)
+    histories = [[1, 504, 3458, 314, 4234, 28], [1, 1040, 282, 2114, 314], [1, 504, 3458, 314, 4234, 28, 9175]]
+    specs = [DraftModelSpeculator(runner, p_min=0.3, seq=i) for i in range(3)]
+    alone = [spec.draft(h[:-1], h[-1], n_max=6) for spec, h in zip(specs, histories, strict=True)]
+    for spec in specs:  # start over: empty caches
+        runner.kv_truncate(spec.seq, 0)
+        spec.cached = []
+    calls = []
+    forward = runner.forward
+    runner.forward = lambda batch: (calls.append(len(set(batch.seq_ids))), forward(batch))[1]  # type: ignore[method-assign]
+    together = draft_together([(spec, h[:-1], h[-1], 6) for spec, h in zip(specs, histories, strict=True)])
+    assert together == alone and len({len(d) for d in alone}) > 1, alone
+    longest = max(len(d) for d in alone)  # one forward to catch up, then one per token drafted past the first,
+    assert calls[0] == 3 and len(calls) == longest + (longest < 6)  # and one more where p_min ended the longest

@@ -62,8 +62,12 @@ PROMPTS = ["The capital of France is", "Here is a long list of fruits: apple, ba
 
 def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: Tokenizer,
                                                 smollm_path: Path) -> None:
-    # The target as its own draft model: every drafted token that clears p_min is accepted.
+    # The target as its own draft model: every drafted token that clears p_min is accepted. The slots draft
+    # together: one draft forward carries several sequences (slot_drafts' prefetch).
     draft = LocalRunner(smollm_path, n_seqs=N_SLOTS, n_ctx=256, device="cpu", progress=False)
+    seqs_per_forward: list[int] = []
+    forward = draft.forward
+    draft.forward = lambda batch: (seqs_per_forward.append(len(set(batch.seq_ids))), forward(batch))[1]  # type: ignore[method-assign]
     sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot),
                       adaptive_drafts=False)
     sched.start()
@@ -79,6 +83,7 @@ def test_batched_equals_alone_with_draft_model(target: LocalRunner, tokenizer: T
             assert result.draft_n > 0 and result.draft_n_accepted == result.draft_n
         counters = sched.counters_snapshot()
         assert counters.draft_generated["draft"] == counters.draft_accepted["draft"] > 0
+        assert max(seqs_per_forward) == len(PROMPTS)
     finally:
         sched.shutdown()
 

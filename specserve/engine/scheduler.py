@@ -27,6 +27,7 @@ from dataclasses import replace
 from specserve.engine.draft_gate import DraftGate, draft_cap
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
+from specserve.engine.slot_drafts import SlotDrafts
 from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
@@ -44,7 +45,7 @@ ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) ->
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be copied from
 
 
-class Scheduler(SlotResults, SlotJobs):
+class Scheduler(SlotResults, SlotJobs, SlotDrafts):
     """Serves up to runner.n_seqs tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -309,6 +310,7 @@ class Scheduler(SlotResults, SlotJobs):
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
         argmax."""
         plan = Plan()
+        self._prefetch_drafts(in_flight)
         chained: set[int] = set()
         if in_flight is not None:
             for e in in_flight:
@@ -360,21 +362,6 @@ class Scheduler(SlotResults, SlotJobs):
             guess, rest = draft[0], draft[1:]
         plan.add_decode(slot, len(slot.cache) + 1, 0, rest, fed_row=e.last_logit_row, guess=guess)
 
-    def _draft(self, slot: Slot, history: list[int], last: int, n_decoded: int, ahead: int) -> list[int]:
-        """Draft after `last` (at position len(history)); ahead: positions already taken past it (the fed
-        token), which the draft's first token stands for."""
-        task = slot.task
-        spec = task.spec
-        if (not self._drafts_allowed or not slot.use_chain or slot.chain is None or slot.handle is None
-                or slot.handle.cancelled):
-            return []
-        room = self.n_ctx - len(history) - 1  # positions left after `last`
-        left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room
-        limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap, slot.draft_room)) + ahead, left, room)
-        if limit < max(spec.n_min, 1) + ahead:
-            return []
-        return slot.chain.draft(history, last, limit, spec.n_min + ahead)
-
     def _launch(self, plan: Plan) -> InFlight | None:
         if not plan.entries:
             return None
@@ -393,8 +380,3 @@ class Scheduler(SlotResults, SlotJobs):
             self.counters.n_decode += 1
             self.counters.n_busy_slots += len(plan.entries)
         return InFlight(step, plan.entries)
-
-    def _drafting_failed(self, slot: Slot, exc: Exception) -> None:
-        """A speculator raised (draft or prepare): that slot's task fails, the others go on."""
-        log.exception("drafting failed on slot %d", slot.id)
-        self._fail(slot, f"speculative drafting failed: {exc}")

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specserve.model.batch import Batch, common_prefix
-from specserve.speculative.base import Speculator
+from specserve.speculative.base import Chain, Speculator
 
 TOP_K = 10
 
@@ -50,28 +50,71 @@ class DraftModelSpeculator(Speculator):
         self.seq = seq
         self.n_batch = n_batch
         self.cached: list[int] = []  # tokens whose K/V sit in the draft's cache for `seq`
+        self.ready: tuple[tuple[int, int, int], list[int]] | None = None  # a draft made by `draft_together`
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
-        context = [*history, last_sampled]
-        if len(context) + n_max > self.runner.n_ctx:
-            return []
-        keep = min(common_prefix(self.cached, context), len(context) - 1)  # always evaluate at least the newest token
-        self.runner.kv_truncate(self.seq, keep)
-        logits = _evaluate(self.runner, self.seq, context, keep, self.n_batch)
-        self.cached = context
-        draft: list[int] = []
-        while True:
-            top = torch.topk(logits, TOP_K)  # the runner's logits are fp32
-            probs = torch.softmax(top.values, dim=-1)
-            p, token = torch.stack((probs[0], top.indices[0].to(probs.dtype))).tolist()  # one transfer
-            token = int(token)
-            if p < self.p_min:
-                break
-            draft.append(token)
-            if len(draft) >= n_max:
-                break
-            batch = Batch()
-            batch.add(token, len(self.cached), self.seq, logits=True)
-            logits = self.runner.forward(batch)[0]
-            self.cached.append(token)
-        return draft
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] == (len(history), last_sampled, n_max):
+            return ready[1]
+        return draft_together([(self, history, last_sampled, n_max)])[0]
+
+
+DraftRequest = tuple[DraftModelSpeculator, list[int], int, int]  # (speculator, history, last sampled, n_max)
+
+
+def draft_together(requests: list[DraftRequest]) -> list[list[int]]:
+    """Each request's draft, its speculators sharing one runner (a sequence each): the tokens new to their
+    caches in one forward (each alone where that would pass n_batch rows), then one forward per draft token
+    for all that still draft."""
+    drafts: list[list[int]] = [[] for _ in requests]
+    live, spans = [], []
+    for i, (spec, history, last, n_max) in enumerate(requests):
+        context = [*history, last]
+        if len(context) + n_max > spec.runner.n_ctx:
+            continue
+        keep = min(common_prefix(spec.cached, context), len(context) - 1)  # always evaluate the newest token
+        spec.runner.kv_truncate(spec.seq, keep)
+        spec.cached = context
+        live.append(i)
+        spans.append((keep, context))
+    if not live:
+        return drafts
+    runner = requests[live[0]][0].runner
+    if sum(len(c) - keep for keep, c in spans) <= requests[live[0]][0].n_batch:
+        batch = Batch()
+        for i, (keep, context) in zip(live, spans, strict=True):
+            batch.add_sequence(context[keep:], keep, requests[i][0].seq, "last")
+        logits = runner.forward(batch)
+    else:  # a new prompt's whole suffix: in chunks, sequence by sequence
+        logits = torch.stack([_evaluate(runner, requests[i][0].seq, context, keep, requests[i][0].n_batch)
+                              for i, (keep, context) in zip(live, spans, strict=True)])
+    while live:
+        top = torch.topk(logits, TOP_K, dim=-1)  # the runner's logits are fp32
+        probs = torch.softmax(top.values, dim=-1)
+        picked = torch.stack((probs[:, 0], top.indices[:, 0].to(probs.dtype)), dim=1).tolist()  # one transfer
+        batch, still = Batch(), []
+        for i, (p, token) in zip(live, picked, strict=True):
+            spec, n_max = requests[i][0], requests[i][3]
+            if p < spec.p_min:
+                continue
+            drafts[i].append(int(token))
+            if len(drafts[i]) >= n_max:
+                continue
+            batch.add(int(token), len(spec.cached), spec.seq, logits=True)
+            spec.cached.append(int(token))
+            still.append(i)
+        live = still
+        if live:
+            logits = runner.forward(batch)
+    return drafts
+
+
+def prefetch_drafts(wanted: list[tuple[Chain, list[int], int, int]]) -> None:
+    """Where several chains (history, last sampled, n_max each) would ask the draft model alone, it drafts for
+    them together now, and each chain's next draft() with those arguments takes its share."""
+    requests: list[DraftRequest] = [(chain.members[0], history, last, n_max) for chain, history, last, n_max in wanted
+                                    if len(chain.members) == 1 and isinstance(chain.members[0], DraftModelSpeculator)]
+    if len(requests) < 2:
+        return
+    for (spec, history, last, n_max), draft in zip(requests, draft_together(requests), strict=True):
+        spec.ready = ((len(history), last, n_max), draft)
