@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 from bench_output import output_path, print_table, write_json
-from serve_bench import DEFAULT_PROMPTS, add_server_args, load_prompts, render_prompts, spec_fields, start_server
+from serve_bench import DEFAULT_PROMPTS, add_server_args, load_prompts, render_prompts, start_server
+from stream_clients import spec_fields
 
 
 def complete(url: str, headers: dict[str, str], prompt: str, n_predict: int, mode: str) -> list[int]:
