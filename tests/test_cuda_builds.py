@@ -195,3 +195,19 @@ def test_rows_past_sixteen_launch_once_for_their_whole_slices(monkeypatch: pytes
     launches.clear()
     quant_cuda.gemv(torch.zeros(40, 512, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_q")
     assert len(launches) == 3
+
+
+def test_cluster_products_launch_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where clusters split K (down's shape on sm_90+), 40 rows go as 16 + 16 + 8, a launch each."""
+    from specserve.kernels.linear import QuantWeight
+
+    launches: list[tuple] = []
+    monkeypatch.setattr(build, "kernel", lambda key, sibling=None: key)
+    monkeypatch.setattr(build, "launch", lambda built, grid, *args, **kwargs: launches.append((built, grid)))
+    monkeypatch.setattr(block_shapes, "sm_resources", lambda device: (132, 228 * 1024))
+    monkeypatch.setattr(build, "sm90", lambda device: True)
+    monkeypatch.setattr(build, "pdl_enabled", lambda device: False)
+    w = QuantWeight(torch.zeros(1, 1, dtype=torch.int32).expand(96, 8960 // 8),
+                    torch.zeros(1, 1, 2).expand(96, 8960 // 32, 2), 4, 32, 15)
+    quant_cuda.gemv(torch.zeros(40, 8960, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_mma")
+    assert [(key[3], key[-2], grid[1]) for key, grid in launches] == [(16, 4, 1), (16, 4, 1), (8, 4, 1)]

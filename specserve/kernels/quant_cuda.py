@@ -230,6 +230,12 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
 
     assert slices == 1 or (experts is None and x2.shape[0] == slices * ROWS_PER_LAUNCH and out.is_contiguous())
     key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0] // slices)
+    if slices > 1 and cfg["KC"] > 1:  # cluster launches take one slice each (block rows of clusters: not yet
+        for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):  # checked on a GPU)
+            end = i + ROWS_PER_LAUNCH
+            _launch_mma(x2[i:end], w, bias, silu_input, out[i:end], cfg_override, fused, norm,
+                        rope.rows(i, end) if rope is not None else None)
+        return
     built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
