@@ -177,37 +177,39 @@ def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatc
         assert not set(re.findall(r"__[A-Z][A-Z0-9_]*__", build.kernel_source(key))) - {"__CUDA_ARCH__"}, key
 
 
-def test_rows_past_sixteen_launch_once_for_their_whole_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def recorded_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """(key, grid) of every launch, none run: an sm_90 device with 132 SMs, no PDL."""
+    launches: list[tuple] = []
+    monkeypatch.setattr(build, "kernel", lambda key, sibling=None: key)
+    monkeypatch.setattr(build, "launch", lambda built, grid, *args, **kwargs: launches.append((built, grid)))
+    monkeypatch.setattr(block_shapes, "sm_resources", lambda device: (132, 228 * 1024))
+    monkeypatch.setattr(build, "sm90", lambda device: True)
+    monkeypatch.setattr(build, "pdl_enabled", lambda device: False)
+    return launches
+
+
+def q4_weight(n: int, k: int) -> object:
+    """An [n, k] Q4 weight of zeros (expanded views: no memory), for recorded launches."""
+    from specserve.kernels.linear import QuantWeight
+
+    words, scales = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 2)
+    return QuantWeight(words.expand(n, k // 8), scales.expand(n, k // 32, 2), 4, 32, 15)
+
+
+def test_rows_past_sixteen_launch_once_for_their_whole_slices(recorded_launches: list[tuple]) -> None:
     """A 40-row product: one launch of two 16-row slices (block rows) of the 16-row variant, then one of the
     8 rows left; the CUDA-core kernel keeps a launch per slice."""
-    from specserve.kernels.linear import QuantWeight
-
-    launches: list[tuple] = []
-    monkeypatch.setattr(build, "kernel", lambda key, sibling=None: key)
-    monkeypatch.setattr(build, "launch", lambda built, grid, *args, **kwargs: launches.append((built, grid)))
-    monkeypatch.setattr(block_shapes, "sm_resources", lambda device: (132, 228 * 1024))
-    monkeypatch.setattr(build, "sm90", lambda device: True)
-    monkeypatch.setattr(build, "pdl_enabled", lambda device: False)
-    w = QuantWeight(torch.zeros(1, 1, dtype=torch.int32).expand(96, 64), torch.zeros(1, 1, 2).expand(96, 16, 2), 4,
-                    32, 15)
+    w = q4_weight(96, 512)
     quant_cuda.gemv(torch.zeros(40, 512, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_mma")
-    assert [(key[3], grid[1]) for key, grid in launches] == [(16, 2), (8, 1)]
-    launches.clear()
+    assert [(key[3], grid[1]) for key, grid in recorded_launches] == [(16, 2), (8, 1)]
+    recorded_launches.clear()
     quant_cuda.gemv(torch.zeros(40, 512, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_q")
-    assert len(launches) == 3
+    assert len(recorded_launches) == 3
 
 
-def test_cluster_products_launch_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cluster_products_launch_a_slice_at_a_time(recorded_launches: list[tuple]) -> None:
     """Where clusters split K (down's shape on sm_90+), 40 rows go as 16 + 16 + 8, a launch each."""
-    from specserve.kernels.linear import QuantWeight
-
-    launches: list[tuple] = []
-    monkeypatch.setattr(build, "kernel", lambda key, sibling=None: key)
-    monkeypatch.setattr(build, "launch", lambda built, grid, *args, **kwargs: launches.append((built, grid)))
-    monkeypatch.setattr(block_shapes, "sm_resources", lambda device: (132, 228 * 1024))
-    monkeypatch.setattr(build, "sm90", lambda device: True)
-    monkeypatch.setattr(build, "pdl_enabled", lambda device: False)
-    w = QuantWeight(torch.zeros(1, 1, dtype=torch.int32).expand(96, 8960 // 8),
-                    torch.zeros(1, 1, 2).expand(96, 8960 // 32, 2), 4, 32, 15)
-    quant_cuda.gemv(torch.zeros(40, 8960, dtype=torch.bfloat16), w, None, False, torch.bfloat16, kernel="gemv_mma")
-    assert [(key[3], key[-2], grid[1]) for key, grid in launches] == [(16, 4, 1), (16, 4, 1), (8, 4, 1)]
+    quant_cuda.gemv(torch.zeros(40, 8960, dtype=torch.bfloat16), q4_weight(96, 8960), None, False, torch.bfloat16,
+                    kernel="gemv_mma")
+    assert [(key[3], key[-2], grid[1]) for key, grid in recorded_launches] == [(16, 4, 1), (16, 4, 1), (8, 4, 1)]
