@@ -106,6 +106,9 @@ def test_metrics_header_cached_tokens_and_spec_decode(client: TestClient) -> Non
 
     t = again["timings"]
     assert t["cache_n"] > 0 and delta("llamacpp:prompt_tokens_cached_total") == t["cache_n"]
+    ratio = after["llamacpp:prompt_cache_hit_ratio"]
+    total = after["llamacpp:prompt_tokens_total"] + after["llamacpp:prompt_tokens_cached_total"]
+    assert 0 < ratio < 1 and ratio == after["llamacpp:prompt_tokens_cached_total"] / total
     assert t["draft_n"] > 0
     assert delta("llamacpp:spec_decode_num_draft_tokens_total") == t["draft_n"]
     assert delta("llamacpp:spec_decode_num_accepted_tokens_total") == t["draft_n_accepted"]

@@ -61,6 +61,9 @@ class SchedulerCollector(Collector):
         yield gauge("kv_cache_tokens", "KV cache positions in use (all slots).", c.kv_tokens)
         yield gauge("kv_cache_usage_ratio", "KV cache positions in use / all positions.",
                     c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
+        seen = c.prompt_tokens + c.prompt_tokens_cached
+        yield gauge("prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache or another's shared "
+                    "prefix) / all prompt tokens, since start.", c.prompt_tokens_cached / seen if seen else 0.0)
         yield gauge("process_start_time_seconds", "Start time of the server process (Unix seconds).",
                     PROCESS_START)
         # llama-server's speculative series, over every speculative type (the per-type ones follow).
