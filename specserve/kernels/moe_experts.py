@@ -5,7 +5,8 @@ Expert weights are stacked as in GGUF: gate_up [n_expert, 2 ffn, hidden] ([gate 
 expert's rows, expert e's at a fixed offset). `moe_experts` dispatches: packed experts where Triton runs go
 to kernels that read only the chosen experts' packed weights (few tokens in bf16 on CUDA: the tensor-core
 pairs of moe_experts_cuda.py; otherwise the Triton kernels of moe_experts_triton.py); float
-experts go through torch (`moe_experts_ref`), grouped by expert. Either way each (token, slot) pair's
+experts go through torch (`moe_experts_ref`), grouped by expert, and so do packed ones on a CPU with the packed-weight
+kernels (each chosen expert's two products on them). Either way each (token, slot) pair's
 output is its own and a token's slots are summed in slot order, so the sum does not depend on how the
 pairs were grouped. `NormMoeAdd` is the decoder-step op (kernels.step_ops' ResidualStream): RMSNorm,
 router product, routing (kernels.moe_routing), experts, an optional shared expert, added to the stream.
@@ -26,17 +27,24 @@ from specserve.kernels.moe_routing import Routing
 from specserve.kernels.step_ops import ResidualStream, feed_forward
 
 
-def _expert_out(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def _expert_out(h: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
+    if isinstance(w_gate_up, QuantWeight):  # one packed expert (the CPU kernels' products)
+        return linear(linear(h, w_gate_up), w_down, silu_input=True)
     return F.linear(silu_mul_ref(F.linear(h, w_gate_up)), w_down)
 
 
-def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                    w_down: torch.Tensor, *, by_expert: bool = True) -> torch.Tensor:
+def _expert(w: ExpertMatrix, e: int) -> Weight:
+    return w.expert(e) if isinstance(w, QuantExperts) else w[e]
+
+
+def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: ExpertMatrix,
+                    w_down: ExpertMatrix, *, by_expert: bool = True) -> torch.Tensor:
     """sum over j of weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]; in x's dtype.
 
     x [n, hidden]; ids [n, k] long; weights [n, k] fp32. by_expert: one product per chosen expert over
     the rows that chose it (the expert counts are read on the host). Otherwise every expert runs over
-    every row and keeps the pairs that chose it: no host sync (what a CUDA graph can capture), more work."""
+    every row and keeps the pairs that chose it: no host sync (what a CUDA graph can capture), more work.
+    Float stacks, or (by_expert) packed ones: each chosen expert's products through kernels.linear."""
     n, k = ids.shape
     pairs = torch.zeros(n * k, x.shape[-1], dtype=torch.float32, device=x.device)  # pair (t, j) at t * k + j
     flat_ids = ids.reshape(-1)
@@ -47,7 +55,7 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
         for expert, count in enumerate(counts):
             if count:
                 chosen = order[start : start + count]
-                pairs[chosen] = _expert_out(x[chosen // k], w_gate_up[expert], w_down[expert]).float()
+                pairs[chosen] = _expert_out(x[chosen // k], _expert(w_gate_up, expert), _expert(w_down, expert)).float()
                 start += count
     else:
         for expert in range(w_gate_up.shape[0]):
@@ -114,8 +122,13 @@ ExpertMatrix = torch.Tensor | QuantExperts
 
 def experts_stay_packed(device: torch.device | str) -> bool:
     """Whether packed experts run as they are on `device`: where the Triton kernels run (CUDA, or CPU tensors
-    under Triton's interpreter). Elsewhere torch multiplies float experts, so a loader dequantizes them."""
-    return triton_device(device)
+    under Triton's interpreter), or on a CPU with the packed-weight kernels (each chosen expert's products
+    on them). Elsewhere torch multiplies float experts, so a loader dequantizes them."""
+    if triton_device(device):
+        return True
+    from specserve.kernels import quant_cpu
+
+    return torch.device(device).type == "cpu" and quant_cpu.kernel_built()
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: ExpertMatrix,
@@ -135,7 +148,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
                     and quant_cuda.experts_usable(x, w_gate_up.w, w_down.w)):
                 return moe_experts_cuda.pairs(x, ids, weights, w_gate_up.w, w_down.w, w_gate_up.n_expert)
             return moe_experts_triton.moe_experts(x, ids, weights, w_gate_up, w_down)
-        # no Triton: every expert dequantized per call (loaders keep experts float on such devices)
+        if x.device.type == "cpu":  # the chosen experts' products on the CPU kernels, grouped by expert
+            return moe_experts_ref(x, ids, weights, w_gate_up, w_down)
+        # no kernel: every expert dequantized per call (loaders keep experts float on such devices)
         w_gate_up, w_down = w_gate_up.dequantize(x.dtype), w_down.dequantize(x.dtype)
     assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor), "float or packed, not mixed"
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -166,7 +166,7 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
-MAX_PLANS = 4096  # a few models' weights; past it (models loaded again and again) the cache starts over
+MAX_PLANS = 1 << 16  # every matrix of a large model, its experts one by one; past it the cache starts over
 
 
 def _plan(w: QuantWeight, kernel: str) -> _Plan:

@@ -71,10 +71,10 @@ def is_moe_layer(tensor_names: set[str] | list[str], layer: int) -> bool:
 @dataclass
 class ExpertWeights:
     """A mixture-of-experts feed-forward. With "gguf" or "q8", on a device where the packed-expert kernels
-    run (kernels.moe_experts.experts_stay_packed: CUDA), the stacked expert tensors are `QuantExperts` (the
-    file's blocks, or Q8_0 of the float values); elsewhere, or when a file's expert type cannot be packed,
-    they are float in the runner's dtype (logged). The shared expert's matrices take the weight format like
-    dense ones."""
+    run (kernels.moe_experts.experts_stay_packed: CUDA, a CPU with the packed-weight kernels), the stacked
+    expert tensors are `QuantExperts` (the file's blocks, or Q8_0 of the float values); elsewhere, or when a
+    file's expert type cannot be packed, they are float in the runner's dtype (logged). The shared expert's
+    matrices take the weight format like dense ones."""
 
     router: torch.Tensor  # [n_expert, hidden] (ffn_gate_inp)
     gate_up: ExpertMatrix  # [n_expert, 2 ffn_expert, hidden]: ffn_gate_exps | ffn_up_exps along dim 1
@@ -285,7 +285,8 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
             bar.update(1)
     n_float = sum(_is_experts(name) and isinstance(t[name], torch.Tensor) for name in names)
     if n_float and weight_format != "float" and not (pack_experts and weight_format == "q8"):  # q8: packed below
-        why = "of types that cannot be packed" if pack_experts else f"packed experts run on CUDA, not on {device}"
+        why = ("of types that cannot be packed" if pack_experts
+               else f"no packed-expert kernels run on {device}")
         log.warning("%d of the stacked expert tensors load as float (%s): %s", n_float, dtype, why)
 
     def opt(name: str) -> Weight | None:
