@@ -89,9 +89,13 @@ def llama_env(bin_dir: Path) -> dict[str, str]:
     """llama.cpp's environment: without specserve's thread settings, with its own libraries (beside its binaries)
     and the CUDA libraries of the Python packages (nvidia-*-cu13 wheels, as torch uses them) on the library path."""
     env = foreign_env()
-    import nvidia  # type: ignore[import-not-found]  (the CUDA wheels torch depends on)
-
-    libs = [str(Path(p) / sub / "lib") for p in nvidia.__path__ for sub in ("cu13", "cu12") if (Path(p) / sub).exists()]
+    try:
+        import nvidia  # type: ignore[import-not-found]  (the CUDA wheels torch depends on)
+    except ImportError:  # a CPU-only torch: a CPU build of llama.cpp needs none
+        libs: list[str] = []
+    else:
+        libs = [str(Path(p) / sub / "lib") for p in nvidia.__path__ for sub in ("cu13", "cu12")
+                if (Path(p) / sub).exists()]
     env["LD_LIBRARY_PATH"] = ":".join([str(bin_dir), *libs, env.get("LD_LIBRARY_PATH", "")])
     return env
 
