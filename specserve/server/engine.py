@@ -150,8 +150,8 @@ class Engine:
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
         runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))
-        if draft_runner is not None:
-            draft_runner.warmup(max_rows=1)  # the draft model decodes one token per forward
+        if draft_runner is not None:  # the slots draft together: a row each per draft token
+            draft_runner.warmup(max_rows=settings.n_parallel)
         tokenizer = Tokenizer.from_gguf(runner.gguf)
         if settings.chat_template is not None:
             tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders
