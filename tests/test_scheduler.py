@@ -16,7 +16,7 @@ from specserve.engine.tasks import Chunk, Failure, Result, Task, TaskHandle
 from specserve.engine.text_stream import TextStream, partial_stop_len
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.speculative.base import SpecParams
+from specserve.speculative.base import Chain, SpecParams, Speculator
 from specserve.speculative.factory import build_chain
 from tests.helpers import running_scheduler
 
@@ -256,15 +256,14 @@ def test_greedy_text_is_the_same_with_and_without_overlap_and_among_others(targe
 def test_a_failing_speculator_fails_its_task_only(target: LocalRunner, tokenizer: Tokenizer, overlap: bool) -> None:
     """A speculator that raises ends its own task with a clear message; the other slot's text is untouched."""
 
-    class Broken:
-        def draft(self, *args: object) -> list[int]:
+    class Broken(Speculator):
+        name = "broken"
+
+        def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
             raise RuntimeError("simulated speculator bug")
 
-        def __getattr__(self, name: str) -> object:
-            return lambda *a, **k: None
-
-    def chains(spec: SpecParams, slot: int):  # type: ignore[no-untyped-def]
-        return Broken() if spec.n_max == 7 else build_chain(spec, None, seq=slot)  # n_max 7 marks the broken one
+    def chains(spec: SpecParams, slot: int) -> Chain | None:  # n_max 7 marks the broken one
+        return Chain([Broken()]) if spec.n_max == 7 else build_chain(spec, None, seq=slot)
 
     sched = Scheduler(target, tokenizer, n_batch=16, chain_factory=chains, overlap=overlap, adaptive_drafts=False)
     sched.start()

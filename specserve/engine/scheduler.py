@@ -310,16 +310,17 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
         argmax."""
         plan = Plan()
-        self._prefetch_drafts(in_flight)
-        chained: set[int] = set()
-        if in_flight is not None:
-            for e in in_flight:
-                if not e.prompt or e.final:
-                    chained.add(e.slot.id)
-                    self._plan_fed(plan, e)
-        for slot in self.slots:
-            if slot.state == SlotState.GENERATING and slot.handle is not None and slot.id not in chained:
-                self._plan_decode(plan, slot)
+        fed = [e for e in in_flight or () if not e.prompt or e.final]
+        chained = {e.slot.id for e in fed}
+        decoding = [s for s in self.slots
+                    if s.state == SlotState.GENERATING and s.handle is not None and s.id not in chained]
+        # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
+        drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed if not e.prompt]
+                              + [(s, s.n_decoded, 0) for s in decoding])
+        for e in fed:
+            self._plan_fed(plan, e, drafts.get(e.slot.id, []))
+        for slot in decoding:
+            self._plan_decode(plan, slot, drafts[slot.id])
         # Prompt chunks share what is left of n_batch, but always get a share so they never starve.
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
         reading = sorted((s for s in self.slots if s.state == SlotState.PROMPT and s.handle is not None
@@ -334,33 +335,20 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             budget -= len(chunk)
         return plan
 
-    def _plan_decode(self, plan: Plan, slot: Slot) -> None:
-        """[last, *draft] from the host's tokens."""
-        try:
-            draft = self._draft(slot, slot.cache, slot.last, slot.n_decoded, 0)
-        except Exception as exc:
-            self._drafting_failed(slot, exc)
-            return
-        plan.add_decode(slot, len(slot.cache), slot.last, draft)
+    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None) -> None:
+        """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task)."""
+        if draft is not None:
+            plan.add_decode(slot, len(slot.cache), slot.last, draft)
 
-    def _plan_fed(self, plan: Plan, e: Entry) -> None:
-        """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it."""
+    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | None) -> None:
+        """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it (the draft
+        continues slot.last; None: drafting failed the slot's task)."""
         slot = e.slot
         if e.prompt:  # the first generated token comes from the prompt's last logit row
             plan.add_decode(slot, len(slot.task.prompt), 0, [], fed_row=e.last_logit_row)
-            return
-        guess: int | None = None
-        rest: list[int] = []
-        try:
-            # e evaluates slot.last after slot.cache; a draft continues slot.last, its first token guessing
-            # e's result. The fed row takes one position, so one token less is left after it.
-            draft = self._draft(slot, slot.cache, slot.last, slot.n_decoded + 1, 1)
-        except Exception as exc:
-            self._drafting_failed(slot, exc)  # the slot's task has ended: nothing to continue
-            return
-        if draft:
-            guess, rest = draft[0], draft[1:]
-        plan.add_decode(slot, len(slot.cache) + 1, 0, rest, fed_row=e.last_logit_row, guess=guess)
+        elif draft is not None:
+            guess, rest = (draft[0], draft[1:]) if draft else (None, [])
+            plan.add_decode(slot, len(slot.cache) + 1, 0, rest, fed_row=e.last_logit_row, guess=guess)
 
     def _launch(self, plan: Plan) -> InFlight | None:
         if not plan.entries:

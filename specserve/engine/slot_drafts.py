@@ -1,14 +1,13 @@
-"""How the scheduler asks a slot's speculators for a draft: how many tokens it may take, and the draft model
-drafting for all the slots of a plan together (one forward per draft token) instead of slot after slot."""
+"""How the scheduler asks its slots' speculators for drafts: how many tokens each may take, and all of a step's
+asks at once, so that the draft model drafts for them together (one forward per draft token)."""
 
 from __future__ import annotations
 
 import logging
 
 from specserve.engine.runner import Runner
-from specserve.engine.slots import Slot, SlotState
-from specserve.engine.step_plan import Entry
-from specserve.speculative.draft_model import prefetch_drafts
+from specserve.engine.slots import Slot
+from specserve.speculative.base import draft_chains
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +15,6 @@ log = logging.getLogger(__name__)
 class SlotDrafts:
     """The scheduler's drafting (Scheduler provides these attributes)."""
 
-    slots: list[Slot]
     runner: Runner
     n_ctx: int
     _drafts_allowed: bool
@@ -24,16 +22,32 @@ class SlotDrafts:
 
     def _fail(self, slot: Slot, message: str) -> None: ...
 
-    def _draft(self, slot: Slot, history: list[int], last: int, n_decoded: int, ahead: int) -> list[int]:
-        """Draft after `last` (at position len(history)); ahead: positions already taken past it (the fed
-        token), which the draft's first token stands for."""
-        limit = self._draft_limit(slot, history, n_decoded, ahead)
-        if limit is None or slot.chain is None:
-            return []
-        return slot.chain.draft(history, last, limit, slot.task.spec.n_min + ahead)
+    def _drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | None]:
+        """The drafts of a step's slots, by slot id, all asked at once (`draft_chains`: the draft model drafts
+        for them together). An ask is (slot, tokens decoded when the step lands, ahead: positions already taken
+        past the slot's last token, the fed one, which a draft's first token stands for). None: drafting raised
+        and the slot's task has failed."""
+        wanted = []
+        for slot, n_decoded, ahead in asks:
+            limit = self._draft_limit(slot, slot.cache, n_decoded, ahead)
+            if limit is not None and slot.chain is not None:
+                wanted.append((slot, (slot.chain, slot.cache, slot.last, limit, slot.task.spec.n_min + ahead)))
+        drafts: dict[int, list[int] | None] = {slot.id: [] for slot, _, _ in asks}
+        try:
+            for (slot, _), draft in zip(wanted, draft_chains([ask for _, ask in wanted]), strict=True):
+                drafts[slot.id] = draft
+        except Exception:  # which slot's speculator raised: ask each alone
+            for slot, ask in wanted:
+                try:
+                    drafts[slot.id] = draft_chains([ask])[0]
+                except Exception as exc:
+                    self._drafting_failed(slot, exc)
+                    drafts[slot.id] = None
+        return drafts
 
     def _draft_limit(self, slot: Slot, history: list[int], n_decoded: int, ahead: int) -> int | None:
-        """The most tokens `_draft` may ask the slot's speculators for; None where it asks nothing."""
+        """The most tokens a draft after the slot's last token (at position len(history)) may hold; None where
+        the slot does not draft."""
         task = slot.task
         spec = task.spec
         if (not self._drafts_allowed or not slot.use_chain or slot.chain is None or slot.handle is None
@@ -43,28 +57,6 @@ class SlotDrafts:
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room
         limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap, slot.draft_room)) + ahead, left, room)
         return limit if limit >= max(spec.n_min, 1) + ahead else None
-
-    def _prefetch_drafts(self, in_flight: list[Entry] | None) -> None:
-        """The draft model drafts for every slot this plan will ask it of in one forward per draft token
-        (`prefetch_drafts`), instead of slot after slot."""
-        asks: list[tuple[Slot, int, int]] = []  # (slot, n_decoded, ahead) as _plan_fed / _plan_decode pass them
-        chained = set()
-        for e in in_flight or ():
-            if not e.prompt or e.final:
-                chained.add(e.slot.id)
-                if not e.prompt:
-                    asks.append((e.slot, e.slot.n_decoded + 1, 1))
-        asks += [(s, s.n_decoded, 0) for s in self.slots
-                 if s.state == SlotState.GENERATING and s.handle is not None and s.id not in chained]
-        wanted = []
-        for slot, n_decoded, ahead in asks:
-            limit = self._draft_limit(slot, slot.cache, n_decoded, ahead)
-            if limit is not None and slot.chain is not None:
-                wanted.append((slot.chain, slot.cache, slot.last, limit))
-        try:
-            prefetch_drafts(wanted)
-        except Exception:  # each slot's own draft() then runs, and fails, on its own
-            log.exception("drafting together failed")
 
     def _drafting_failed(self, slot: Slot, exc: Exception) -> None:
         """A speculator raised (draft or prepare): that slot's task fails, the others go on."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 from specserve.errors import SpecserveError
 from specserve.speculative.ngram_index import HistoryIndex
@@ -97,6 +99,9 @@ class Speculator(ABC):
 
     name: str = "base"  # statistics label, e.g. "ngram_simple"
     _index: HistoryIndex | None = None  # an index over the history, kept up to date by prepare()
+    # A type that proposes for several sequences at once (the draft model: shared forwards) sets this to a
+    # function from [(speculator, history, last_sampled, n_max)] to their proposals; `draft_chains` uses it.
+    propose_together: ClassVar[Callable[[list[ProposeAsk]], list[list[int]]] | None] = None
 
     def __init__(self) -> None:
         self.stats = SpecStats()
@@ -114,9 +119,13 @@ class Speculator(ABC):
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
         """Up to n_max tokens proposed to follow last_sampled; [] if fewer than n_min."""
+        return self.take(self._propose(history, last_sampled, n_max) if n_max > 0 else [], n_max, n_min)
+
+    def take(self, proposal: list[int], n_max: int, n_min: int = 0) -> list[int]:
+        """draft()'s result for a proposal already made (`propose_together`), with its statistics."""
         self.stats.calls += 1
         self._draft_pending = False
-        tokens = self._propose(history, last_sampled, n_max)[:n_max] if n_max > 0 else []
+        tokens = proposal[:n_max] if n_max > 0 else []
         if len(tokens) < max(n_min, 1):
             return []
         self._draft_pending = True
@@ -168,13 +177,7 @@ class Chain:
             m.prepare(history)
 
     def draft(self, history: list[int], last_sampled: int, n_max: int, n_min: int = 0) -> list[int]:
-        self._last = None
-        for m in self.members:
-            tokens = m.draft(history, last_sampled, n_max, n_min)
-            if tokens:
-                self._last = m
-                return tokens
-        return []
+        return draft_chains([(self, history, last_sampled, n_max, n_min)])[0]
 
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
@@ -194,3 +197,44 @@ class Chain:
     def stat_lines(self) -> list[str]:
         t = self.totals()
         return [acceptance_line(t.acc_tokens, t.gen_tokens)] + [m.stats.line(m.name) for m in self.members]
+
+
+ProposeAsk = tuple[Speculator, list[int], int, int]  # (speculator, history, last sampled, n_max)
+DraftAsk = tuple[Chain, list[int], int, int, int]  # (chain, history, last sampled, n_max, n_min)
+
+
+def draft_chains(asks: list[DraftAsk]) -> list[list[int]]:
+    """Each ask's draft, as its chain's members in order give it: the first non-empty one wins. Members of a type
+    with `propose_together` propose for all the asks that reach them in one call (the draft model drafts for every
+    slot of a step in shared forwards, one per draft token)."""
+    drafts: list[list[int]] = [[] for _ in asks]
+    position = [0] * len(asks)  # the member each ask tries next
+    pending = list(range(len(asks)))
+    while pending:
+        together: dict[Callable, list[int]] = {}
+        for i in pending:
+            chain, history, last, n_max, n_min = asks[i]
+            if position[i] == 0:
+                chain._last = None
+            while position[i] < len(chain.members):
+                m = chain.members[position[i]]
+                if type(m).propose_together is not None:
+                    together.setdefault(type(m).propose_together, []).append(i)
+                    break
+                position[i] += 1
+                tokens = m.draft(history, last, n_max, n_min)
+                if tokens:
+                    chain._last, drafts[i], position[i] = m, tokens, len(chain.members)
+        pending = []
+        for propose, ids in together.items():
+            members = [asks[i][0].members[position[i]] for i in ids]
+            proposals = propose([(m, asks[i][1], asks[i][2], asks[i][3]) for m, i in zip(members, ids, strict=True)])
+            for m, i, proposal in zip(members, ids, proposals, strict=True):
+                chain, n_max, n_min = asks[i][0], asks[i][3], asks[i][4]
+                position[i] += 1
+                tokens = m.take(proposal, n_max, n_min)
+                if tokens:
+                    chain._last, drafts[i], position[i] = m, tokens, len(chain.members)
+                elif position[i] < len(chain.members):
+                    pending.append(i)  # the members after it, in order
+    return drafts

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specserve.model.batch import Batch, common_prefix
-from specserve.speculative.base import Chain, Speculator
+from specserve.speculative.base import ProposeAsk, Speculator
 
 TOP_K = 10
 
@@ -50,22 +50,15 @@ class DraftModelSpeculator(Speculator):
         self.seq = seq
         self.n_batch = n_batch
         self.cached: list[int] = []  # tokens whose K/V sit in the draft's cache for `seq`
-        self.ready: tuple[tuple[int, int, int], list[int]] | None = None  # a draft made by `draft_together`
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
-        ready, self.ready = self.ready, None
-        if ready is not None and ready[0] == (len(history), last_sampled, n_max):
-            return ready[1]
         return draft_together([(self, history, last_sampled, n_max)])[0]
 
 
-DraftRequest = tuple[DraftModelSpeculator, list[int], int, int]  # (speculator, history, last sampled, n_max)
-
-
-def draft_together(requests: list[DraftRequest]) -> list[list[int]]:
-    """Each request's draft, its speculators sharing one runner (a sequence each): the tokens new to their
-    caches in one forward (each alone where that would pass n_batch rows), then one forward per draft token
-    for all that still draft."""
+def draft_together(requests: list[ProposeAsk]) -> list[list[int]]:
+    """Each request's draft (speculator, history, last sampled, n_max), its draft-model speculators sharing one
+    runner (a sequence each): the tokens new to their caches in one forward (each alone where that would pass
+    n_batch rows), then one forward per draft token for all that still draft."""
     drafts: list[list[int]] = [[] for _ in requests]
     live, spans = [], []
     for i, (spec, history, last, n_max) in enumerate(requests):
@@ -109,12 +102,4 @@ def draft_together(requests: list[DraftRequest]) -> list[list[int]]:
     return drafts
 
 
-def prefetch_drafts(wanted: list[tuple[Chain, list[int], int, int]]) -> None:
-    """Where several chains (history, last sampled, n_max each) would ask the draft model alone, it drafts for
-    them together now, and each chain's next draft() with those arguments takes its share."""
-    requests: list[DraftRequest] = [(chain.members[0], history, last, n_max) for chain, history, last, n_max in wanted
-                                    if len(chain.members) == 1 and isinstance(chain.members[0], DraftModelSpeculator)]
-    if len(requests) < 2:
-        return
-    for (spec, history, last, n_max), draft in zip(requests, draft_together(requests), strict=True):
-        spec.ready = ((len(history), last, n_max), draft)
+DraftModelSpeculator.propose_together = staticmethod(draft_together)  # type: ignore[assignment]
