@@ -28,8 +28,8 @@ from specserve.kernels.step_ops import ResidualStream, feed_forward
 
 
 def _expert_out(h: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
-    if isinstance(w_gate_up, QuantWeight):  # one packed expert (the CPU kernels' products)
-        return linear(linear(h, w_gate_up), w_down, silu_input=True)
+    if isinstance(w_gate_up, QuantWeight):  # one packed expert: the dense feed-forward's products (CPU kernels)
+        return feed_forward(h, w_gate_up, w_down)
     return F.linear(silu_mul_ref(F.linear(h, w_gate_up)), w_down)
 
 

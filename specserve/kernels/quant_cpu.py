@@ -197,12 +197,12 @@ def product(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_inp
             out_dtype: torch.dtype | None) -> torch.Tensor | None:
     """kernels.linear's product on these kernels (silu(gate) * up of x first with silu_input), or None where they
     do not take it (`available`: also for how many rows)."""
+    if not available(x, w):  # (row count, dtype and device: the same before and after SwiGLU)
+        return None
     if silu_input:
         from specserve.kernels.activation import silu_mul
 
         x = silu_mul(x)
-    if not available(x, w):
-        return None
     y = gemv(x, w)
     y = y if bias is None else y + bias
     return y if out_dtype is None else y.to(out_dtype)
