@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -158,12 +159,19 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
         start = rows // ROWS_PER_LAUNCH * ROWS_PER_LAUNCH
         _launch_mma(x2[:start], w, bias, silu_input, out[:start], blocks, fused, norm,
                     rope.rows(0, start) if rope is not None else None, slices=start // ROWS_PER_LAUNCH)
-    launch_rows = _launch_mma if kernel == "gemv_mma" else _launch_core
-    for i in range(start, rows, ROWS_PER_LAUNCH):
+    _each_slice(_launch_mma if kernel == "gemv_mma" else _launch_core, x2, w, bias, silu_input, out, blocks, fused,
+                norm, rope, start)
+    return out.view(*lead, n_out)
+
+
+def _each_slice(launch_rows: Callable[..., None], x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None,
+                silu_input: bool, out: torch.Tensor, blocks: dict[str, int] | None, fused: tuple[bool, ...],
+                norm: tuple[torch.Tensor, float] | None, rope: RopeWrite | None, start: int = 0) -> None:
+    """A launch per slice of up to 16 rows of x2 from `start` on."""
+    for i in range(start, x2.shape[0], ROWS_PER_LAUNCH):
         end = i + ROWS_PER_LAUNCH
         launch_rows(x2[i:end], w, bias, silu_input, out[i:end], blocks, fused, norm,
                     rope.rows(i, end) if rope is not None else None)
-    return out.view(*lead, n_out)
 
 
 def _flags(silu_input: bool, bias: torch.Tensor | None, out: torch.Tensor) -> tuple[bool, bool, bool]:
@@ -231,10 +239,7 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
     assert slices == 1 or (experts is None and x2.shape[0] == slices * ROWS_PER_LAUNCH and out.is_contiguous())
     key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0] // slices)
     if slices > 1 and cfg["KC"] > 1:  # cluster launches take one slice each (block rows of clusters: not yet
-        for i in range(0, x2.shape[0], ROWS_PER_LAUNCH):  # checked on a GPU)
-            end = i + ROWS_PER_LAUNCH
-            _launch_mma(x2[i:end], w, bias, silu_input, out[i:end], cfg_override, fused, norm,
-                        rope.rows(i, end) if rope is not None else None)
+        _each_slice(_launch_mma, x2, w, bias, silu_input, out, cfg_override, fused, norm, rope)  # run on a GPU)
         return
     built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
