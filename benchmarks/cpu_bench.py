@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from bench_output import output_path, print_table, write_json
+from llama_cpp_tools import llama_bench
 
 from specserve import catalog, foreign_env
 from specserve.cli.measure import bench_decode, bench_prefill
@@ -64,18 +65,6 @@ print(json.dumps({"pp": best_pp, "tg": best_tg}))
 
 LLAMA_BENCH = (catalog.cache_dir() / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
                / "llama-bench")
-
-
-def llama_bench(binary: Path, path: Path, threads: int, pp: int, tg: int, reps: int) -> dict[str, float] | None:
-    out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", str(pp), "-n", str(tg),
-                          "-r", str(reps), "-o", "json"], capture_output=True, text=True, timeout=1800,
-                         env=foreign_env())
-    if out.returncode != 0:
-        print(f"llama-bench failed: {out.stderr[-2000:]}")
-        return None
-    runs = json.loads(out.stdout)
-    rate = {("pp" if r["n_prompt"] else "tg"): float(r["avg_ts"]) for r in runs}
-    return {"pp": rate["pp"], "tg": rate["tg"], "via": "llama-bench"}
 
 
 def llama_cpp(path: Path, threads: int, pp: int, tg: int, reps: int) -> dict[str, float] | None:
@@ -119,7 +108,12 @@ def main() -> None:
             rates[name].append((pp, max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))))
         os.environ.pop("SPECSERVE_CPU_EXACT", None)
         if args.llama_bench.exists():
-            ref = llama_bench(args.llama_bench, path, args.threads, args.n_prompt, args.n_gen, args.reps)
+            try:
+                ref = {**llama_bench(args.llama_bench, path, n_prompt=args.n_prompt, n_gen=args.n_gen,
+                                     reps=args.reps, threads=args.threads), "via": "llama-bench"}
+            except RuntimeError as exc:
+                print(exc)
+                ref = None
         else:
             ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
         if ref is not None:

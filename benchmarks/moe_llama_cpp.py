@@ -13,7 +13,6 @@ reads). DIR holds llama.cpp's built binaries (llama-bench, llama-quantize). Prin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import time
@@ -24,9 +23,9 @@ import torch
 from bench_output import output_path, print_table, write_json
 from gguf import GGUFWriter
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
+from llama_cpp_tools import llama_bench, llama_env
 from moe_bench import decode_table, moe_config
 
-from specserve import foreign_env
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import byte_alphabet
 
@@ -85,31 +84,6 @@ def write_f16(path: Path, layers: int, device: torch.device) -> None:
     writer.close()
 
 
-def llama_env(bin_dir: Path) -> dict[str, str]:
-    """llama.cpp's environment: without specserve's thread settings, with its own libraries (beside its binaries)
-    and the CUDA libraries of the Python packages (nvidia-*-cu13 wheels, as torch uses them) on the library path."""
-    env = foreign_env()
-    try:
-        import nvidia  # type: ignore[import-not-found]  (the CUDA wheels torch depends on)
-    except ImportError:  # a CPU-only torch: a CPU build of llama.cpp needs none
-        libs: list[str] = []
-    else:
-        libs = [str(Path(p) / sub / "lib") for p in nvidia.__path__ for sub in ("cu13", "cu12")
-                if (Path(p) / sub).exists()]
-    env["LD_LIBRARY_PATH"] = ":".join([str(bin_dir), *libs, env.get("LD_LIBRARY_PATH", "")])
-    return env
-
-
-def llama_bench(binary: Path, model: Path) -> dict[str, float]:
-    """llama-bench's tg128 and pp512 tok/s (all layers on the GPU, its defaults otherwise)."""
-    cmd = [str(binary), "-m", str(model), "-p", "512", "-n", "128", "-ngl", "99", "-r", "3", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(binary.parent), check=False, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"llama-bench failed: {out.stderr[-2000:]}")
-    rows = json.loads(out.stdout)
-    return {("tg128" if r["n_gen"] else "pp512"): round(float(r["avg_ts"]), 1) for r in rows}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bin", required=True, help="folder with llama.cpp's llama-bench and llama-quantize")
@@ -134,7 +108,11 @@ def main() -> None:
         if not path.exists():
             subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(path), qtype, str(os.cpu_count() or 1)],
                            env=llama_env(bin_dir), check=True, capture_output=True, timeout=1200)
-        llama = llama_bench(bin_dir / "llama-bench", path)
+        try:
+            rates = llama_bench(bin_dir / "llama-bench", path, gpu_layers=99)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
+        llama = {"tg128": round(rates["tg"], 1), "pp512": round(rates["pp"], 1)}
         runner = LocalRunner(path, n_seqs=16, n_ctx=args.n_predict + 64, device=device, weight_format="gguf",
                              progress=False)
         ours = decode_table(runner, [1, 16], args.n_predict)
