@@ -49,7 +49,7 @@ def kernel_built() -> bool:
     return build.has("q_gemv")
 
 
-def available(x: torch.Tensor, w: QuantWeight) -> bool:
+def available(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> bool:
     """Whether x @ W^T runs here. The int8 kernel takes every row count: a row's result must not depend on the
     batch it is in (a prompt chunk or a decode step, alone or beside other requests), and its per-row rounding
     and accumulation make it the same in any. The exact kernel takes up to MAX_EXACT_ROWS; above that
@@ -58,7 +58,7 @@ def available(x: torch.Tensor, w: QuantWeight) -> bool:
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and w.words.device.type == "cpu"
             and w.bits in (4, 8) and w.group * w.bits // 32 in (2, 4, 8, 16) and kernel_built()):
         return False
-    return x.numel() // x.shape[-1] <= MAX_EXACT_ROWS or kernel_for(w) == "int8"
+    return x.numel() // x.shape[-1] <= MAX_EXACT_ROWS or (kernel or kernel_for(w)) == "int8"
 
 
 @cache
@@ -197,13 +197,14 @@ def product(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_inp
             out_dtype: torch.dtype | None) -> torch.Tensor | None:
     """kernels.linear's product on these kernels (silu(gate) * up of x first with silu_input), or None where they
     do not take it (`available`: also for how many rows)."""
-    if not available(x, w):  # (row count, dtype and device: the same before and after SwiGLU)
+    kernel = kernel_for(w)  # (once a product: it reads the environment)
+    if not available(x, w, kernel):  # (row count, dtype and device: the same before and after SwiGLU)
         return None
     if silu_input:
         from specserve.kernels.activation import silu_mul
 
         x = silu_mul(x)
-    y = gemv(x, w)
+    y = gemv(x, w, kernel)
     y = y if bias is None else y + bias
     return y if out_dtype is None else y.to(out_dtype)
 
