@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.engine.step_trace import TRACE
 from specserve.kernels.cuda import driver as cuda_driver
 
 
@@ -40,7 +41,10 @@ class PinnedInputs:
         return self.array
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        graph.replay()
+        if TRACE is None:
+            graph.replay()
+        else:
+            TRACE.replay(graph)
         self.done.record()
 
 

@@ -32,6 +32,7 @@ from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight, Plan
+from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
@@ -199,6 +200,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             outbox, self._outbox = self._outbox, None
             for handle, event in outbox:
                 handle.emit(event)
+            if TRACE is not None:
+                TRACE.mark(current.trace, "emitted")
 
     def _admit(self) -> list[TaskHandle]:
         """(Under the lock.) Drop cancelled queued tasks; pop as many queued tasks as there are idle slots."""
@@ -309,6 +312,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
     def _plan(self, in_flight: list[Entry] | None) -> Plan:
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
         argmax."""
+        if TRACE is not None:
+            TRACE.planning()
         plan = Plan()
         fed = [e for e in in_flight or () if not e.prompt or e.final]
         chained = {e.slot.id for e in fed}
@@ -355,6 +360,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             return None
         try:
             need_logits = any(e.n_logits and not e.slot.greedy_only for e in plan.entries)
+            t_launch = TRACE.launching() if TRACE is not None else 0.0
             step = self.runner.launch(plan.batch, plan.fed_rows(), logits=need_logits)
         except Exception as exc:
             log.exception("forward pass failed")
@@ -367,4 +373,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         with self._cond:
             self.counters.n_decode += 1
             self.counters.n_busy_slots += len(plan.entries)
-        return InFlight(step, plan.entries)
+        trace = -1 if TRACE is None else TRACE.launched(
+            t_launch, len(plan.batch), any(e.draft or e.guess is not None for e in plan.entries),
+            any(e.prompt for e in plan.entries))
+        return InFlight(step, plan.entries, trace)

@@ -15,6 +15,7 @@ from specserve.engine.draft_gate import DraftGate, next_room
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
+from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Chunk, Event, Failure, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
@@ -46,7 +47,11 @@ class SlotResults:
         if not live:
             return
         greedy = [e.slot.greedy_only for e in live]
+        if TRACE is not None:
+            TRACE.mark(flight.trace, "wait")
         tokens = flight.step.tokens() if any(greedy) else None
+        if TRACE is not None:
+            TRACE.mark(flight.trace, "ready")
         logits = flight.step.logits() if not all(greedy) else None
         for e, argmax_only in zip(live, greedy, strict=True):
             if not e.slot.runs(e.task_id):

@@ -68,6 +68,7 @@ class InFlight:
 
     step: Step
     entries: list[Entry]
+    trace: int = -1  # its index in the step trace (step_trace.py), if one is kept
 
     def live(self) -> list[Entry]:
         """Entries whose slot still runs the same task."""

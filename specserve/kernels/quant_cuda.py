@@ -238,9 +238,6 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
 
     assert slices == 1 or (experts is None and x2.shape[0] == slices * ROWS_PER_LAUNCH and out.is_contiguous())
     key, cfg, grid, cg, row_bytes, smem = variant(1 if experts else x2.shape[0] // slices)
-    if slices > 1 and cfg["KC"] > 1:  # cluster launches take one slice each (block rows of clusters: not yet
-        _each_slice(_launch_mma, x2, w, bias, silu_input, out, cfg_override, fused, norm, rope)  # run on a GPU)
-        return
     built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
