@@ -21,13 +21,17 @@ def test_warmup_covers_the_bucket_that_holds_the_longest_step() -> None:
     assert buckets_up_to(40, 32) == [*range(1, 17), 24, 32]  # never past max_rows
 
 
-def test_prompt_chunks_take_the_one_row_graphs() -> None:
+def test_large_batches_compute_only_the_logits_they_want() -> None:
     from specserve.engine.cuda_graphs import GraphCache
 
-    one_row = GraphCache.one_logit_row
-    assert one_row(512, 1) and one_row(17, 0)  # prompt chunks: the last one wants its last row's logits
-    assert not one_row(16, 1)  # steps keep the every-row graphs
-    assert not one_row(40, 40) and not one_row(40, 2)  # a verify of many rows, two sequences' last rows
+    graphs = GraphCache.__new__(GraphCache)  # graph_key reads only the row limits
+    graphs.max_rows, graphs.max_prompt_rows = 256, 512
+    key = graphs.graph_key
+    assert key(16, 1) == (16, 0) and key(17, 17) == (24, 0)  # steps and verify steps: every row's logits
+    assert key(512, 1) == (512, 1) and key(17, 0) == (24, 1)  # prompt chunks: their last row's, or none
+    assert key(512, 64) == (512, 64) and key(512, 65) == (512, 256)  # a chunk beside 63 / 64 decode rows
+    assert key(40, 2) == (48, 16) and key(40, 40) == (48, 0)  # picks in coarse buckets; all wanted: every row
+    assert key(300, 300) is None and key(600, 1) is None  # past the graphs: the eager path
     assert buckets_up_to(512, 512)[-2:] == [384, 512] and bucket_for(513, 512) is None
 
 
@@ -48,7 +52,7 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
                for graphs in (True, False)]
     assert runners[0].max_step_rows == (16 if weight_format == "gguf" else None)  # drafts fit one kernel pass
     runners[0].warmup(1, prompt_rows=40)
-    assert {(48, True, 0), (48, True, 1)} <= runners[0].graphs.graphs.keys()  # warm-up: bucket 48 holds 40 rows
+    assert {(48, 1, 0), (48, 1, 1)} <= runners[0].graphs.graphs.keys()  # warm-up: bucket 48 holds 40 rows
     prompt = [(11 * i + 5) % cfg.vocab_size for i in range(700)]
     logits = []
     for runner in runners:
@@ -109,3 +113,40 @@ def test_graph_steps_feed_tokens_like_the_eager_path(weight_format: str) -> None
         assert len(picked[0][0]) == rows and all(len(t) in (1, 3) for t in picked[0][1:])
         torch.testing.assert_close(runners[0].kv[:, :, :2, :, :position + 5], runners[1].kv[:, :, :2, :, :position + 5],
                                    rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+@pytest.mark.parametrize("weight_format", ["float", "gguf"])
+def test_a_chunk_beside_decode_rows_matches_eager(weight_format: str) -> None:
+    """A prompt chunk read in the same batch as other sequences' decode rows (the picked graphs: logits of
+    the wanted rows only) gives the eager pass's logits, argmax and KV entries."""
+    import dataclasses
+
+    from specserve.engine.local_runner import LocalRunner
+    from specserve.model.batch import Batch
+    from specserve.model.random_init import SHAPES, random_weights
+
+    cfg = dataclasses.replace(SHAPES["qwen2.5-coder-0.5b"], n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
+                              head_dim=64, ffn=512, vocab_size=300)
+    runners = [LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=3),
+                                        n_seqs=3, n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    runners[0].warmup(1, prompt_rows=128)
+    assert (128, 16, 0) in runners[0].graphs.graphs  # warm-up: a chunk beside a decode row of each other slot
+    results = []
+    for runner in runners:
+        for seq in (0, 1):
+            b = Batch()
+            b.add_sequence([(3 * i + seq) % cfg.vocab_size for i in range(50)], 0, seq, "none")
+            runner.forward(b)
+        b = Batch()
+        b.add(7, 50, 0, logits=True)
+        b.add(8, 50, 1, logits=True)
+        b.add_sequence([(5 * i + 1) % cfg.vocab_size for i in range(90)], 0, 2, "last")
+        step = runner.launch(b)
+        results.append((step.logits().clone(), step.tokens()))
+    assert results[0][0].shape == (3, cfg.vocab_size)
+    # (the head's product over 16 picked rows, not 3: its sums may round differently in the last bits)
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-2, atol=2e-2)
+    assert results[0][1] == results[1][1] == results[1][0].argmax(-1).tolist()
+    torch.testing.assert_close(runners[0].kv[:, :, :3, :, :90], runners[1].kv[:, :, :3, :, :90], rtol=0, atol=0)

@@ -14,10 +14,14 @@ pool), and copies them into pinned memory of its own as its last node. So the st
 one queued behind it never share an input buffer, an output buffer or an argmax row, and the host never
 waits for a step to finish before queuing the next.
 
-Steps of up to 256 rows return logits for every row; the caller picks the rows it wants. Batches of
-more than 16 rows that want one row's logits or none (prompt chunks) have graphs of their own, up to
-512 rows, that compute the logits of that one row (its index is a fifth input row). The returned
-logits are the graph's own output buffer: valid until the graph of the same parity runs again.
+Steps of up to 16 rows return logits for every row; the caller picks the rows it wants. Larger
+batches (up to 512 rows) compute the logits of only the rows they want, up to a bucket of `picks`
+rows whose indices are a fifth input row: a prompt chunk wants one row or none, a chunk read beside
+the decode rows of other slots one per slot; a batch that wants about as many rows as it has (a
+verify step) takes the every-row graph of its bucket (up to 256 rows). Without the picked graphs a
+mixed batch ran eagerly: ~14 ms of kernel launches from Python for a 3 ms forward (1.5B model, H200).
+The returned logits are the graph's own output buffer: valid until the graph of the same parity runs
+again.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from specserve.model.kv_ledger import MAX_LOGIT_ROWS
 BUCKETS = [*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 STEP_ROWS = 256  # the largest step with logits for every row (its [rows, vocab] fp32 logits are kept)
 PROMPT_ROWS = 512  # the largest prompt chunk with a graph (the default chunk)
-ONE_ROW_FROM = 16  # batches of more rows wanting one row's logits or none take the one-row graphs
+PICK_BUCKETS = [1, 16, 64, 256, 512]  # logit rows of the picked graphs
+PICKS_FROM = 16  # batches of more rows compute the logits of the rows they want only (a bucket of them)
 RING_ROWS = MAX_LOGIT_ROWS  # argmax rows a step can leave for the next one to take its tokens from
 
 
@@ -55,6 +60,12 @@ def buckets_up_to(n_rows: int, max_rows: int) -> list[int]:
     return [b for b in BUCKETS if top is not None and b <= top]
 
 
+def pick_bucket(n_wanted: int, max_rows: int) -> int | None:
+    """The logit rows a picked graph computes for n_wanted (coarse: a few more rows of logits cost less than
+    a graph per count)."""
+    return next((p for p in PICK_BUCKETS if p >= n_wanted and p <= max_rows), None)
+
+
 def feed_tokens(tokens: torch.Tensor, fed: torch.Tensor, previous_argmax: torch.Tensor) -> torch.Tensor:
     """tokens, with rows whose fed index is >= 0 taking the previous step's argmax at that row."""
     taken = previous_argmax.gather(0, fed.clamp(min=0))
@@ -63,7 +74,7 @@ def feed_tokens(tokens: torch.Tensor, fed: torch.Tensor, previous_argmax: torch.
 
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: PinnedInputs  # [4, rows] (one-logit-row graphs: [5, rows], the row's index at [4, 0]);
+    inputs: PinnedInputs  # [4, rows] (picked graphs: [5, rows], the wanted rows' indices at [4, :picks]);
     # its `done` event also says when the argmax is there
     logits: torch.Tensor
     argmax: np.ndarray  # pinned: each logit row's argmax, copied back by the last node
@@ -85,20 +96,21 @@ class GraphCache:
         self.max_rows = max_rows
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, bool, int], StepGraph] = {}  # (rows, one logit row, parity) -> its graph
+        self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, picks (0: every row), parity) -> graph
 
-    @staticmethod
-    def one_logit_row(n_rows: int, n_wanted: int) -> bool:
-        """Batches past the step sizes that want at most one row's logits (prompt chunks) take the
-        graphs that compute just that row's."""
-        return n_rows > ONE_ROW_FROM and n_wanted <= 1
-
-    def graph_key(self, n_rows: int, n_wanted: int) -> tuple[int, bool] | None:
-        """The graph a batch of n_rows rows wanting n_wanted rows' logits replays: (bucket, one logit
-        row), or None (none does: the eager path)."""
-        one = self.one_logit_row(n_rows, n_wanted)
-        rows = bucket_for(n_rows, self.max_prompt_rows if one else self.max_rows)
-        return None if rows is None else (rows, one)
+    def graph_key(self, n_rows: int, n_wanted: int) -> tuple[int, int] | None:
+        """The graph a batch of n_rows rows wanting n_wanted rows' logits replays: (row bucket, picks: the
+        logit rows it computes, 0 for every row), or None (none does: the eager path)."""
+        if n_rows <= PICKS_FROM:
+            rows = bucket_for(n_rows, self.max_rows)
+            return None if rows is None else (rows, 0)
+        rows = bucket_for(n_rows, self.max_prompt_rows)
+        if rows is None:
+            return None
+        picks = pick_bucket(n_wanted, self.max_prompt_rows)
+        if picks is None or picks >= rows:  # about every row wanted: the every-row graph
+            return (rows, 0) if rows <= self.max_rows else None
+        return rows, picks
 
     def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int) -> None:
         if start >= inputs.shape[1]:  # an exact bucket (every step of up to 16 rows): even empty writes cost
@@ -123,12 +135,12 @@ class GraphCache:
         return graph, out
 
     def _capture(self, key: tuple[int, bool, int]) -> StepGraph:
-        rows, one, parity = key
-        initial = torch.zeros((5 if one else 4, rows), dtype=torch.long)
+        rows, picks, parity = key
+        initial = torch.zeros((5 if picks else 4, rows), dtype=torch.long)
         self._pad_rows(initial, 0)
         inputs = PinnedInputs(initial, self.device)
-        pick = inputs.on_device[4, :1] if one else None
-        host_argmax = torch.zeros(1 if one else rows, dtype=torch.long, pin_memory=True)
+        pick = inputs.on_device[4, :picks] if picks else None
+        host_argmax = torch.zeros(picks or rows, dtype=torch.long, pin_memory=True)
         mine, previous = self.ring[parity], self.ring[1 - parity]
 
         def step() -> torch.Tensor:
@@ -146,15 +158,17 @@ class GraphCache:
         graph, logits = self.capture(step)
         return StepGraph(graph, inputs, logits, host_argmax.numpy())
 
-    def capture_up_to(self, n_rows: int, prompt_rows: int = 0) -> None:
-        """Capture every bucket a step of up to n_rows rows takes now, and those of prompt chunks of
-        up to prompt_rows rows, both parities, so no capture lands inside a request or a timed run."""
-        keys = [(b, False) for b in buckets_up_to(n_rows, self.max_rows)]
-        keys += [(b, True) for b in buckets_up_to(prompt_rows, self.max_prompt_rows) if b > ONE_ROW_FROM]
-        for rows, one in keys:
+    def capture_up_to(self, n_rows: int, prompt_rows: int = 0, mixed_picks: int = 1) -> None:
+        """Capture every bucket a step of up to n_rows rows takes now, and those of batches of up to
+        prompt_rows rows wanting one row's logits (prompt chunks) or mixed_picks rows' (a chunk beside
+        that many decode rows), both parities, so no capture lands inside a request or a timed run."""
+        keys = {self.graph_key(b, b) for b in buckets_up_to(n_rows, self.max_rows)}
+        for b in buckets_up_to(prompt_rows, self.max_prompt_rows):
+            keys |= {self.graph_key(b, 1), self.graph_key(b, mixed_picks)} if b > PICKS_FROM else set()
+        for rows, picks in sorted(k for k in keys if k is not None):
             for parity in (0, 1):
-                if (rows, one, parity) not in self.graphs:
-                    self.graphs[rows, one, parity] = self._capture((rows, one, parity))
+                if (rows, picks, parity) not in self.graphs:
+                    self.graphs[rows, picks, parity] = self._capture((rows, picks, parity))
 
     def launch(self, batch: Batch, fed: Sequence[int] | None, parity: int) -> LaunchedStep | None:
         """Queue the batch (fed: see the module docstring), or None where no graph takes it."""
@@ -163,8 +177,8 @@ class GraphCache:
         key = self.graph_key(n, len(wanted))
         if key is None:
             return None
-        rows, one = key
-        full = (rows, one, parity)
+        rows, picks = key
+        full = (rows, picks, parity)
         if full not in self.graphs:
             self.graphs[full] = self._capture(full)
         step = self.graphs[full]
@@ -174,11 +188,12 @@ class GraphCache:
         host[2, :n] = batch.seq_ids
         host[3, :n] = -1 if fed is None else fed
         self._pad_rows(host, n)
-        if one:
-            host[4, 0] = wanted[0] if wanted else 0
+        if picks:  # the padding repeats the last wanted row: its argmax lands in the same ring slot
+            host[4, :len(wanted)] = wanted
+            host[4, len(wanted):picks] = wanted[-1] if wanted else 0
         step.inputs.replay(step.graph)
         done = step.inputs.done
-        if one:
+        if picks:
             return LaunchedStep(step.logits[: len(wanted)], step.argmax, len(wanted), done)
         if len(wanted) == n:
             return LaunchedStep(step.logits[:n], step.argmax, n, done)

@@ -137,9 +137,9 @@ class LocalRunner:
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
-        prompt_rows (no-op without graphs)."""
+        prompt_rows, alone or beside a decode row of every other sequence (no-op without graphs)."""
         if self.graphs is not None:
-            self.graphs.capture_up_to(max_rows, prompt_rows)
+            self.graphs.capture_up_to(max_rows, prompt_rows, mixed_picks=self.n_seqs)
             freeze_gc()
 
     @property
