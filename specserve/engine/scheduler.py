@@ -18,7 +18,6 @@ the `emit` callback given with each request. Slot i uses KV sequence i of the ru
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -129,8 +128,6 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             self._cond.notify_all()
 
     def _loop(self) -> None:
-        if os.environ.get("SPECSERVE_PIN_SCHEDULER") and hasattr(os, "sched_setaffinity"):  # (experiment)
-            os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
         while True:
             with self._cond:
                 while not self._stopping and not self.busy:
