@@ -208,8 +208,9 @@ def test_rows_past_sixteen_launch_once_for_their_whole_slices(recorded_launches:
     assert len(recorded_launches) == 3
 
 
-def test_cluster_products_launch_a_slice_at_a_time(recorded_launches: list[tuple]) -> None:
-    """Where clusters split K (down's shape on sm_90+), 40 rows go as 16 + 16 + 8, a launch each."""
+def test_cluster_products_take_their_slices_in_one_launch(recorded_launches: list[tuple]) -> None:
+    """Where clusters split K (down's shape on sm_90+), 40 rows go as one launch over two 16-row slices (clusters
+    along x, slices along y) and one of 8 rows."""
     quant_cuda.gemv(torch.zeros(40, 8960, dtype=torch.bfloat16), q4_weight(96, 8960), None, False, torch.bfloat16,
                     kernel="gemv_mma")
-    assert [(key[3], key[-2], grid[1]) for key, grid in recorded_launches] == [(16, 4, 1), (16, 4, 1), (8, 4, 1)]
+    assert [(key[3], key[-2], grid[1]) for key, grid in recorded_launches] == [(16, 4, 2), (8, 4, 1)]

@@ -160,11 +160,12 @@ class GraphCache:
 
     def capture_up_to(self, n_rows: int, prompt_rows: int = 0, mixed_picks: int = 1) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of batches of up to
-        prompt_rows rows wanting one row's logits (prompt chunks) or mixed_picks rows' (a chunk beside
-        that many decode rows), both parities, so no capture lands inside a request or a timed run."""
+        prompt_rows rows wanting one row's logits (prompt chunks) or up to mixed_picks rows' (a chunk
+        beside decode rows), both parities, so no capture lands inside a request or a timed run."""
         keys = {self.graph_key(b, b) for b in buckets_up_to(n_rows, self.max_rows)}
+        top = pick_bucket(mixed_picks, self.max_prompt_rows) or 1
         for b in buckets_up_to(prompt_rows, self.max_prompt_rows):
-            keys |= {self.graph_key(b, 1), self.graph_key(b, mixed_picks)} if b > PICKS_FROM else set()
+            keys |= {self.graph_key(b, p) for p in PICK_BUCKETS if p <= top} if b > PICKS_FROM else set()
         for rows, picks in sorted(k for k in keys if k is not None):
             for parity in (0, 1):
                 if (rows, picks, parity) not in self.graphs:
