@@ -31,7 +31,8 @@ def test_large_batches_compute_only_the_logits_they_want() -> None:
     assert key(512, 1) == (512, 1) and key(17, 0) == (24, 1)  # prompt chunks: their last row's, or none
     assert key(512, 64) == (512, 64) and key(512, 65) == (512, 256)  # a chunk beside 63 / 64 decode rows
     assert key(40, 2) == (48, 16) and key(40, 40) == (48, 0)  # picks in coarse buckets; all wanted: every row
-    assert key(300, 300) is None and key(600, 1) is None  # past the graphs: the eager path
+    assert key(300, 300) == (384, 384) and key(512, 400) == (512, 512)  # past the every-row graphs: all picked
+    assert key(600, 1) is None  # past the graphs: the eager path
     assert buckets_up_to(512, 512)[-2:] == [384, 512] and bucket_for(513, 512) is None
 
 
