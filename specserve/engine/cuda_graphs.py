@@ -18,8 +18,9 @@ Steps of up to 16 rows return logits for every row; the caller picks the rows it
 batches (up to 512 rows) compute the logits of only the rows they want, up to a bucket of `picks`
 rows whose indices are a fifth input row: a prompt chunk wants one row or none, a chunk read beside
 the decode rows of other slots one per slot; a batch that wants about as many rows as it has (a
-verify step) takes the every-row graph of its bucket (up to 256 rows; past that, every row picked). Without the picked graphs a
-mixed batch ran eagerly: ~14 ms of kernel launches from Python for a 3 ms forward (1.5B model, H200).
+verify step) takes the every-row graph of its bucket (up to 256 rows; past that, every row picked).
+Without the picked graphs a mixed batch ran eagerly: ~14 ms of kernel launches from Python for a 3 ms
+forward (1.5B model, H200).
 The returned logits are the graph's own output buffer: valid until the graph of the same parity runs
 again.
 """
@@ -108,7 +109,7 @@ class GraphCache:
         if rows is None:
             return None
         picks = pick_bucket(n_wanted, self.max_prompt_rows)
-        if picks is None or picks >= rows:  # about every row wanted: the every-row graph, or past it every row picked
+        if picks is None or picks >= rows:  # about every row wanted: the every-row graph, or all picked past it
             return (rows, 0) if rows <= self.max_rows else (rows, rows)
         return rows, picks
 
