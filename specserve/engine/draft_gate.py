@@ -34,12 +34,13 @@ MAX_DRAFTING_SLOTS = 8  # with more busy slots, no slot drafts
 
 def next_room(room: int, drafted: int, accepted: int, n_max: int) -> int:
     """A slot's next draft length limit after a verified draft: a draft accepted whole may be twice as long
-    next time; one rejected partway is cut to one token past what was right. A wrong draft token costs a
-    verify row, nearly free on a GPU and a fifth of a decode step on a 2-core CPU, where long wrong drafts
-    are what kept speculation from paying."""
+    next time; after one rejected partway the room halves (never below one token past what was right), so a
+    slot that keeps missing is down to MIN_DRAFT in a few steps while a one-off miss in repeating text (a
+    renamed identifier) costs little. A wrong draft token costs a verify row, nearly free on a GPU and a fifth
+    of a decode step on a 2-core CPU, where long wrong drafts are what kept speculation from paying."""
     if accepted >= drafted:
         return min(n_max, max(room, drafted) * 2)
-    return max(MIN_DRAFT, accepted + 1)
+    return max(MIN_DRAFT, accepted + 1, min(room, n_max) // 2)
 
 
 def draft_cap(n_slots: int) -> int:

@@ -1,0 +1,139 @@
+"""What a drafting policy would give on a device, without the device: record each workload prompt's greedy text
+once (on any device), then replay the texts through the real scheduler and speculators with a runner that knows
+them, timing each step from a step table (the `step_ms_by_rows` of a `specserve bench` JSON) plus a host gap
+before each step the scheduler could not chain behind the one before.
+
+    python benchmarks/spec_replay.py --record -m qwen2.5-coder-1.5b --device cpu --texts texts.json
+    python benchmarks/spec_replay.py --texts texts.json \
+        --steps benchmarks/results/bench_qwen2.5-coder-1.5b_cuda_gguf.json
+
+Greedy speculation gives plain greedy's text, so the replay is exact in which drafts are accepted; its times
+are a model (device time by row count only). Use it to compare policies, then measure the one kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("SPECSERVE_STEP_TRACE", str(Path(tempfile.gettempdir()) / "spec_replay_trace.json"))
+
+from bench_output import output_path, print_table, write_json  # noqa: E402
+from scheduler_sim import FakeRunner, TimedStep  # noqa: E402
+
+from specserve import catalog  # noqa: E402
+from specserve.engine.generate import generate  # noqa: E402
+from specserve.engine.scheduler import Scheduler  # noqa: E402
+from specserve.engine.step_trace import TRACE  # noqa: E402
+from specserve.gguf.reader import GGUFFile  # noqa: E402
+from specserve.gguf.tokenizer import Tokenizer  # noqa: E402
+from specserve.model.batch import Batch  # noqa: E402
+from specserve.model.kv_ledger import KVLedger  # noqa: E402
+from specserve.speculative.base import SpecParams  # noqa: E402
+from specserve.speculative.factory import build_chain  # noqa: E402
+
+
+class TextRunner(FakeRunner):
+    """Row i's argmax is the token after its position in `text` (the recorded prompt + greedy output), or the
+    end-of-generation token past it; every step is done at once (times come from the step table)."""
+
+    def __init__(self, vocab_size: int, eos: int, n_ctx: int = 8192):
+        super().__init__([[0]], n_ctx, 0.0, 0.0)
+        self.vocab_size, self.eos, self.text = vocab_size, eos, [0]
+        self.ledger = KVLedger(1, n_ctx, vocab_size)
+        self.seq_len = self.ledger.seq_len
+
+    def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:
+        self.ledger.admit(batch, fed)
+        ahead = [batch.positions[i] + 1 for i in batch.logit_rows()]
+        tokens = [self.text[p] if p < len(self.text) else self.eos for p in ahead]
+        return TimedStep(tokens, 0.0, self.vocab_size)
+
+
+def step_ms(table: dict[int, float], rows: int) -> float:
+    """The table's time for a step of `rows` rows, linear between (and past) its entries."""
+    keys = sorted(table)
+    i = min(max(bisect.bisect_left(keys, rows), 1), len(keys) - 1)
+    a, b = keys[i - 1], keys[i]
+    return table[a] + (table[b] - table[a]) * (rows - a) / (b - a)
+
+
+def replay(items: list[dict], tokenizer: Tokenizer, spec: SpecParams, table: dict[int, float],
+           host_gap_ms: float) -> dict[str, float]:
+    """Modelled decode tok/s (the first token, from the prompt, not counted) and tokens a step over items."""
+    assert TRACE is not None
+    runner = TextRunner(tokenizer.vocab_size, tokenizer.eos_id or 0)
+    sched = Scheduler(runner, tokenizer, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
+    ms = tokens = steps = 0.0
+    for item in items:
+        runner.text = item["prompt"] + item["output"]
+        TRACE.steps.clear()
+        TRACE._events.clear()
+        gen = generate(runner, tokenizer, item["prompt"], len(item["output"]), spec=spec, scheduler=sched)
+        if gen.tokens != item["output"][:len(gen.tokens)]:
+            raise SystemExit("the replay's text differs from the recorded one")
+        decode = [s for s in TRACE.steps if not s["prompt"]]
+        for i, s in enumerate(decode):
+            chained = i == 0 or ("ready" in decode[i - 1] and s["launch"] < decode[i - 1]["ready"])
+            ms += step_ms(table, s["rows"]) + (0.0 if chained else host_gap_ms)
+        tokens += len(gen.tokens) - 1
+        steps += len(decode)
+    return {"tokens_per_s": round(tokens / ms * 1e3, 1), "tokens_per_step": round(tokens / max(steps, 1), 3)}
+
+
+def record(args: argparse.Namespace) -> None:
+    from specserve.cli.session import GenerationSession
+    from specserve.cli.workloads import workload_prompts
+
+    session = GenerationSession.load(args.model, n_ctx=4096, device=args.device, weight_format=args.weight_format)
+    texts: dict[str, list[dict]] = {}
+    for cat in args.categories.split(","):
+        texts[cat] = [{"prompt": p, "output": generate(session.runner, session.tokenizer, p, args.n_predict).tokens}
+                      for p in workload_prompts(session.tokenizer, cat, args.prompts)]
+    write_json(args.texts, {"model": args.model, "device": args.device, "weight_format": args.weight_format,
+                            "texts": texts})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", type=Path, required=True, help="recorded greedy texts (written by --record)")
+    ap.add_argument("--record", action="store_true", help="record the texts with the model, then stop")
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--weight-format", default="auto")
+    ap.add_argument("--categories", default="code_edit,extract,chat")
+    ap.add_argument("--prompts", default=None, help="workloads/prompts.json")
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--steps", type=Path, help="a `specserve bench` JSON whose step_ms_by_rows times the steps")
+    ap.add_argument("--host-gap-ms", type=float, default=0.13,
+                    help="device idle before a step not chained (H200 trace: 0.13 ms after a drafted step)")
+    ap.add_argument("--spec-types", default="ngram-suffix,ngram-simple")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    if args.record:
+        record(args)
+        return
+    if args.steps is None:
+        raise SystemExit("--steps: a specserve bench JSON with step_ms_by_rows")
+    recorded = json.loads(args.texts.read_text())
+    table = {int(k): float(v) for k, v in json.loads(args.steps.read_text())["step_ms_by_rows"].items()}
+    tokenizer = Tokenizer.from_gguf(GGUFFile(catalog.model_file(recorded["model"])))
+    rows = []
+    for cat, items in recorded["texts"].items():
+        none = replay(items, tokenizer, SpecParams(n_max=0), table, args.host_gap_ms)
+        rows.append({"category": cat, "type": "none", **none, "speedup": 1.0})
+        for t in args.spec_types.split(","):
+            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms)
+            rows.append({"category": cat, "type": t, **got,
+                         "speedup": round(got["tokens_per_s"] / none["tokens_per_s"], 3)})
+    print_table(rows, ["category", "type", "tokens_per_s", "speedup", "tokens_per_step"])
+    write_json(output_path(args.output, "spec_replay.json"),
+               {"texts": str(args.texts), "steps": str(args.steps), "host_gap_ms": args.host_gap_ms, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
