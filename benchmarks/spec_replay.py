@@ -1,7 +1,8 @@
 """What a drafting policy would give on a device, without the device: record each workload prompt's greedy text
 once (on any device), then replay the texts through the real scheduler and speculators with a runner that knows
-them, timing each step from a step table (the `step_ms_by_rows` of a `specserve bench` JSON) plus a host gap
-before each step the scheduler could not chain behind the one before.
+them, timing each step from a step table (the `step_ms_by_rows` of a `specserve bench` JSON, whose device the
+replay's runner takes: the draft room rule follows it) plus a host gap before each step the scheduler could not
+chain behind the one before.
 
     python benchmarks/spec_replay.py --record -m qwen2.5-coder-1.5b --device cpu --texts texts.json
     python benchmarks/spec_replay.py --texts texts.json \
@@ -22,6 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("SPECSERVE_STEP_TRACE", str(Path(tempfile.gettempdir()) / "spec_replay_trace.json"))
 
+import torch  # noqa: E402
 from bench_output import output_path, print_table, write_json  # noqa: E402
 from scheduler_sim import FakeRunner, TimedStep  # noqa: E402
 
@@ -41,8 +43,9 @@ class TextRunner(FakeRunner):
     """Row i's argmax is the token after its position in `text` (the recorded prompt + greedy output), or the
     end-of-generation token past it; every step is done at once (times come from the step table)."""
 
-    def __init__(self, vocab_size: int, eos: int, n_ctx: int = 8192):
+    def __init__(self, vocab_size: int, eos: int, device: str, n_ctx: int = 8192):
         super().__init__([[0]], n_ctx, 0.0, 0.0)
+        self.device = torch.device(device)  # the modelled one: the scheduler's draft room rule follows it
         self.vocab_size, self.eos, self.text = vocab_size, eos, [0]
         self.ledger = KVLedger(1, n_ctx, vocab_size)
         self.seq_len = self.ledger.seq_len
@@ -63,10 +66,10 @@ def step_ms(table: dict[int, float], rows: int) -> float:
 
 
 def replay(items: list[dict], tokenizer: Tokenizer, spec: SpecParams, table: dict[int, float],
-           host_gap_ms: float) -> dict[str, float]:
+           host_gap_ms: float, device: str) -> dict[str, float]:
     """Modelled decode tok/s (the first token, from the prompt, not counted) and tokens a step over items."""
     assert TRACE is not None
-    runner = TextRunner(tokenizer.vocab_size, tokenizer.eos_id or 0)
+    runner = TextRunner(tokenizer.vocab_size, tokenizer.eos_id or 0, device)
     sched = Scheduler(runner, tokenizer, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
     ms = tokens = steps = 0.0
     for item in items:
@@ -120,14 +123,16 @@ def main() -> None:
     if args.steps is None:
         raise SystemExit("--steps: a specserve bench JSON with step_ms_by_rows")
     recorded = json.loads(args.texts.read_text())
-    table = {int(k): float(v) for k, v in json.loads(args.steps.read_text())["step_ms_by_rows"].items()}
+    bench = json.loads(args.steps.read_text())
+    table = {int(k): float(v) for k, v in bench["step_ms_by_rows"].items()}
+    device = torch.device(bench.get("device", "cpu")).type
     tokenizer = Tokenizer.from_gguf(GGUFFile(catalog.model_file(recorded["model"])))
     rows = []
     for cat, items in recorded["texts"].items():
-        none = replay(items, tokenizer, SpecParams(n_max=0), table, args.host_gap_ms)
+        none = replay(items, tokenizer, SpecParams(n_max=0), table, args.host_gap_ms, device)
         rows.append({"category": cat, "type": "none", **none, "speedup": 1.0})
         for t in args.spec_types.split(","):
-            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms)
+            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms, device)
             rows.append({"category": cat, "type": t, **got,
                          "speedup": round(got["tokens_per_s"] / none["tokens_per_s"], 3)})
     print_table(rows, ["category", "type", "tokens_per_s", "speedup", "tokens_per_step"])

@@ -73,18 +73,20 @@ def test_draft_cap_shares_rows_among_many_slots_and_leaves_few_alone() -> None:
 
 
 def test_a_slots_draft_room_follows_its_acceptance() -> None:
-    """Whole drafts accepted: the next may be twice as long (up to n_max); a draft rejected partway: half the
-    room, at least one token past what was right, never below MIN_DRAFT."""
+    """Whole drafts accepted: the next may be twice as long (up to n_max); a draft rejected partway: one token
+    past what was right (a CPU) or half the room, never less (a GPU), and never below MIN_DRAFT."""
     from specserve.engine.draft_gate import MIN_DRAFT, next_room
 
     assert next_room(16, 16, 16, 16) == 16
     assert next_room(4, 4, 4, 16) == 8 and next_room(8, 3, 3, 16) == 16  # a short whole draft: room grows
-    assert next_room(16, 10, 5, 16) == 8 and next_room(16, 12, 11, 16) == 12
-    assert next_room(1 << 30, 3, 0, 16) == 8  # a slot's first room is unbounded: halved from n_max
-    room = 16
-    for _ in range(4):  # a slot that keeps missing
-        room = next_room(room, room, 0, 16)
-    assert room == MIN_DRAFT
-    for drafted, accepted in [(2, 2), (4, 4), (8, 8)]:
-        room = next_room(room, drafted, accepted, 16)
-    assert room == 16  # back to full length after three whole drafts
+    assert next_room(16, 10, 5, 16) == 6 and next_room(16, 10, 0, 16) == MIN_DRAFT
+    assert next_room(16, 10, 5, 16, halve=True) == 8 and next_room(16, 12, 11, 16, halve=True) == 12
+    assert next_room(1 << 30, 3, 0, 16, halve=True) == 8  # a slot's first room is unbounded: halved from n_max
+    for halve, misses in ((False, 1), (True, 4)):  # a slot that keeps missing
+        room = 16
+        for _ in range(misses):
+            room = next_room(room, room, 0, 16, halve=halve)
+        assert room == MIN_DRAFT
+        for drafted, accepted in [(2, 2), (4, 4), (8, 8)]:
+            room = next_room(room, drafted, accepted, 16, halve=halve)
+        assert room == 16  # back to full length after three whole drafts

@@ -32,15 +32,16 @@ MIN_DRAFT = 2  # drafts a slot may make however many slots there are
 MAX_DRAFTING_SLOTS = 8  # with more busy slots, no slot drafts
 
 
-def next_room(room: int, drafted: int, accepted: int, n_max: int) -> int:
+def next_room(room: int, drafted: int, accepted: int, n_max: int, halve: bool = False) -> int:
     """A slot's next draft length limit after a verified draft: a draft accepted whole may be twice as long
-    next time; after one rejected partway the room halves (never below one token past what was right), so a
-    slot that keeps missing is down to MIN_DRAFT in a few steps while a one-off miss in repeating text (a
-    renamed identifier) costs little. A wrong draft token costs a verify row, nearly free on a GPU and a fifth
-    of a decode step on a 2-core CPU, where long wrong drafts are what kept speculation from paying."""
+    next time. After one rejected partway the room is cut to one token past what was right, or with `halve`
+    (where a verify row costs little next to a decode step: a GPU) halved, never below that, so a one-off miss
+    in repeating text (a renamed identifier) costs little while a slot that keeps missing is down to MIN_DRAFT
+    in a few steps. On a 2-core CPU a wrong draft token costs a fifth of a decode step, and long wrong drafts
+    are what kept speculation from paying."""
     if accepted >= drafted:
         return min(n_max, max(room, drafted) * 2)
-    return max(MIN_DRAFT, accepted + 1, min(room, n_max) // 2)
+    return max(MIN_DRAFT, accepted + 1, min(room, n_max) // 2 if halve else 0)
 
 
 def draft_cap(n_slots: int) -> int:

@@ -71,6 +71,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self._in_flight: InFlight | None = None
         self._outbox: list[tuple[TaskHandle, Event]] = []  # events held until the host waits for the device
         self._gate = DraftGate() if overlap and adaptive_drafts else None
+        self._halve_room = runner.device.type == "cuda"
         self._drafts_allowed = True
         self._draft_cap = draft_cap(1)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)

@@ -34,6 +34,7 @@ class SlotResults:
     _cond: threading.Condition
     _gate: DraftGate | None
     _outbox: list[tuple[TaskHandle, Event]]
+    _halve_room: bool  # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
 
     def _post(self, handle: TaskHandle, event: Event) -> None:
         """Hold an event for its task until the host next waits for the device (_flush)."""
@@ -131,7 +132,8 @@ class SlotResults:
             slot.draft_n += drafted
             slot.draft_accepted += accepted
             if e.draft:
-                slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max)
+                slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max,
+                                             self._halve_room)
             self._count_drafts(slot, drafted, accepted)
         slot.n_steps += 1
         slot.cache.append(first)
