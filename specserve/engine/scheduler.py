@@ -69,7 +69,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight: InFlight | None = None
-        self._outbox: list[tuple[TaskHandle, Event]] = []  # events held until the host waits for the device
+        self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
         self._gate = DraftGate() if overlap and adaptive_drafts else None
         self._halve_room = runner.device.type == "cuda"
         self._drafts_allowed = True
@@ -161,8 +161,6 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             for slot in self.slots:
                 if slot.handle is not None:
                     self._fail(slot, message)
-        if self._in_flight is None:  # no wait for the device ahead to hand them out in
-            self._flush()
 
     def _turn(self) -> None:
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
@@ -193,12 +191,18 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
                 except Exception as exc:
                     self._drafting_failed(slot, exc)
         # An unchained step (a draft to verify) leaves the device idle until the next is planned: plan and
-        # launch it before this step's events go out (_flush, at the next wait for the device).
-        self._settle(current)
-        if self._in_flight is None and self.overlap and not (self._jobs and self._job_ready()):
-            self._in_flight = self._launch(self._plan(None))
-        if TRACE is not None:
-            TRACE.mark(current.trace, "emitted")
+        # launch it before handing out this step's events, whose readers would hold the GIL meanwhile.
+        self._outbox = []
+        try:
+            self._settle(current)
+            if self._in_flight is None and self.overlap and not (self._jobs and self._job_ready()):
+                self._in_flight = self._launch(self._plan(None))
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for handle, event in outbox:
+                handle.emit(event)
+            if TRACE is not None:
+                TRACE.mark(current.trace, "emitted")
 
     def _admit(self) -> list[TaskHandle]:
         """(Under the lock.) Drop cancelled queued tasks; pop as many queued tasks as there are idle slots."""

@@ -33,19 +33,14 @@ class SlotResults:
     counters: SchedulerCounters
     _cond: threading.Condition
     _gate: DraftGate | None
-    _outbox: list[tuple[TaskHandle, Event]]
+    _outbox: list[tuple[TaskHandle, Event]] | None
     _halve_room: bool  # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
 
     def _post(self, handle: TaskHandle, event: Event) -> None:
-        """Hold an event for its task until the host next waits for the device (_flush)."""
-        self._outbox.append((handle, event))
-
-    def _flush(self) -> None:
-        """Hand out the events held. Called just before the host blocks on the device (or when nothing is in
-        flight): their readers (the server's event loop) take the GIL while this thread has no use for it,
-        not while it plans and launches the next step, whose every GIL hand-off would then wait for the loop."""
-        outbox, self._outbox = self._outbox, []
-        for handle, event in outbox:
+        """Hand an event to its task, or hold it in the outbox while the scheduler launches a step."""
+        if self._outbox is not None:
+            self._outbox.append((handle, event))
+        else:
             handle.emit(event)
 
     def _settle(self, flight: InFlight) -> None:
@@ -53,7 +48,6 @@ class SlotResults:
         if not live:
             return
         greedy = [e.slot.greedy_only for e in live]
-        self._flush()
         if TRACE is not None:
             TRACE.mark(flight.trace, "wait")
         tokens = flight.step.tokens() if any(greedy) else None
