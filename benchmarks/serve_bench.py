@@ -110,9 +110,9 @@ async def run_level(url: str, headers: dict[str, str], prompts: list[str], clien
     ttft = np.array([s.ttft for s in all_stats]) * 1000
     gaps = np.array([g for s in all_stats for g in s.gaps] or [0.0]) * 1000
     tokens = sum(s.tokens for s in all_stats)
-    per_request = [(s.tokens - 1) / s.decode_s for s in all_stats if s.decode_s > 0]
-    decode_rate = float(np.median(per_request)) if per_request else 0.0
     decoding = [s for s in all_stats if s.decode_s > 0]
+    per_request = [(s.tokens - 1) / s.decode_s for s in decoding]
+    decode_rate = float(np.median(per_request)) if per_request else 0.0
     pooled = sum(s.tokens - 1 for s in decoding) / sum(s.decode_s for s in decoding) if decoding else 0.0
     return LevelResult(
         mode=mode, clients=clients, requests=len(all_stats), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,

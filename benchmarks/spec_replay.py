@@ -74,8 +74,7 @@ def replay(items: list[dict], tokenizer: Tokenizer, spec: SpecParams, table: dic
     ms = tokens = steps = 0.0
     for item in items:
         runner.text = item["prompt"] + item["output"]
-        TRACE.steps.clear()
-        TRACE._events.clear()
+        TRACE.clear()
         gen = generate(runner, tokenizer, item["prompt"], len(item["output"]), spec=spec, scheduler=sched)
         if gen.tokens != item["output"][:len(gen.tokens)]:
             raise SystemExit("the replay's text differs from the recorded one")

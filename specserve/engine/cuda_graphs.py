@@ -135,7 +135,7 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, key: tuple[int, bool, int]) -> StepGraph:
+    def _capture(self, key: tuple[int, int, int]) -> StepGraph:
         rows, picks, parity = key
         initial = torch.zeros((5 if picks else 4, rows), dtype=torch.long)
         self._pad_rows(initial, 0)

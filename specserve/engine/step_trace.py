@@ -53,9 +53,15 @@ class StepTrace:
         start, end = self._replay or (None, None)
         with self._lock:
             self.steps.append({"plan": self._planning, "launch": t0, "launched": time.perf_counter(), "rows": rows,
-                               "drafted": drafted, "prompt": prompt, "thread": threading.current_thread().name})
+                               "drafted": drafted, "prompt": prompt})
             self._events.append((start, end))
             return len(self.steps) - 1
+
+    def clear(self) -> None:
+        """Forget the steps recorded so far (a new measurement in the same process)."""
+        with self._lock:
+            self.steps.clear()
+            self._events.clear()
 
     def mark(self, index: int, name: str) -> None:
         if index >= 0:
