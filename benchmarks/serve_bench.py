@@ -150,7 +150,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="smollm2-135m", help="model for the server this script starts")
     p.add_argument("-md", "--model-draft", default=None, help="draft model for the started server")
     p.add_argument("--device", default=None)
-    p.add_argument("--slot-ctx", type=int, default=2048, help="context per slot of the started server")
+    p.add_argument("--slot-ctx", type=int, default=2048,
+                   help="KV positions a slot of the started server's pool (-c: this times the slots)")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for `specserve serve`")
     p.add_argument("--load-timeout", type=float, default=600)
 

@@ -130,7 +130,8 @@ def main() -> int:
     p.add_argument("-m", "--model", default="smollm2-135m", help="model for the server this script starts")
     p.add_argument("--device", default="cpu")
     p.add_argument("--slots", type=int, default=16, help="slots (-np) of the started server")
-    p.add_argument("--slot-ctx", type=int, default=512, help="context per slot of the started server")
+    p.add_argument("--slot-ctx", type=int, default=512,
+                   help="KV positions a slot of the started server's pool (-c: this times the slots)")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for `specserve serve`")
     p.add_argument("--load-timeout", type=float, default=600)
     p.add_argument("--clients", type=int, default=64)

@@ -17,8 +17,8 @@ from starlette.testclient import TestClient
 from specserve.server.app import create_app
 from specserve.server.engine import Engine, ServerSettings
 
-SLOT_CTX = 256
-SETTINGS = ServerSettings(model="smollm2-135m", device="cpu", n_parallel=2, ctx_size=2 * SLOT_CTX, n_predict=4,
+CTX = 512  # the KV pool, and the most one slot may hold
+SETTINGS = ServerSettings(model="smollm2-135m", device="cpu", n_parallel=2, ctx_size=CTX, n_predict=4,
                           alias="smollm2-135m,tiny", tags=["small", "test"],
                           slot_save_path=tempfile.mkdtemp(prefix="specserve-slots-"))  # slot actions served
 

@@ -60,11 +60,13 @@ class FakeRunner:
     """The Runner protocol without a model: row i's argmax is its token + 1. A warm-up takes `warmup_s` seconds,
     a step `step_s`."""
 
-    def __init__(self, n_seqs: int, n_ctx: int, vocab: int = 64, warmup_s: float = 0.0, step_s: float = 0.0):
+    def __init__(self, n_seqs: int, n_ctx: int, vocab: int = 64, warmup_s: float = 0.0, step_s: float = 0.0,
+                 kv_size: int = 0):
         self.warmup_s, self.step_s = warmup_s, step_s
         self.n_seqs, self.n_ctx, self.vocab_size = n_seqs, n_ctx, vocab
-        self.ledger = KVLedger(n_seqs, n_ctx, vocab)
+        self.ledger = KVLedger(n_seqs, n_ctx, vocab, kv_size or None)
         self.seq_len = self.ledger.seq_len
+        self.kv_size = self.ledger.kv_size
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.weight_format, self.max_step_rows = "float", None
         self.gguf = type("G", (), {"path": Path("fake.gguf"), "metadata": {"general.architecture": "fake"}})()
@@ -87,18 +89,18 @@ class FakeRunner:
         return {"weights_bytes": 1, "kv_bytes": 2}
 
 
-def fake_loader(model: str, n_seqs: int, n_ctx: int, weight_format: str, device: str) -> FakeRunner:
+def fake_loader(model: str, n_seqs: int, n_ctx: int, kv_size: int, weight_format: str, device: str) -> FakeRunner:
     if model == "missing":
         raise ProtocolError(Status.FILE_MISSING, "model file not found: missing")
-    return FakeRunner(n_seqs, n_ctx or 256)
+    return FakeRunner(n_seqs, n_ctx or 256, kv_size=kv_size)
 
 
 def slow_loader(load_s: float, warmup_s: float = 0.0, step_s: float = 0.0) -> LoadRunner:
     """A loader whose load takes load_s seconds, and whose runner's warm-ups and steps are slow too."""
 
-    def load(model: str, n_seqs: int, n_ctx: int, weight_format: str, device: str) -> FakeRunner:
+    def load(model: str, n_seqs: int, n_ctx: int, kv_size: int, weight_format: str, device: str) -> FakeRunner:
         time.sleep(load_s)
-        return FakeRunner(n_seqs, n_ctx or 256, warmup_s=warmup_s, step_s=step_s)
+        return FakeRunner(n_seqs, n_ctx or 256, warmup_s=warmup_s, step_s=step_s, kv_size=kv_size)
 
     return load
 

@@ -1,8 +1,8 @@
 """The CPU decode-step ops in C (kernels/cpu_ops.py) against their torch references on fresh random inputs:
 RMSNorm with and without the residual add, RoPE with the KV-cache write (both layouts, partial rotation, views of
-one [q | k | v] product), attention of mixed rows of two sequences over the caches (grouped heads, a head size
-with a partial vector), SwiGLU; that a row's result does not depend on its batch; and that the op modules
-dispatch to them for fp32 CPU tensors."""
+one [q | k | v] product), attention of mixed rows of two sequences over paged caches (blocks scattered over the
+pool; checked against the dense layout too; grouped heads, a head size with a partial vector), SwiGLU; that a
+row's result does not depend on its batch; and that the op modules dispatch to them for fp32 CPU tensors."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
 from specserve.kernels.cpu import build
+from tests.paged import dense_attention, paged_cache
 
 pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"),
                                 reason="needs a C compiler and AVX2 (+FMA, F16C) or AVX-512 VNNI")
@@ -42,12 +43,12 @@ def test_rope_and_cache(style: str, dim: int, rope_dim: int, tokens: int) -> Non
     v = qkv[:, (n_heads + n_kv) * dim :].view(tokens, n_kv, dim)
     cos, sin = rope.rope_cos_sin(rope_dim, 10000.0, ctx)
     positions = torch.tensor([3, 4, 5, 0, 17])[-tokens:]
-    seq_ids = torch.tensor([1, 1, 1, 0, 2])[-tokens:]
-    caches = [torch.randn(3, n_kv, ctx, dim, generator=gen) for _ in range(2)]
+    slots = torch.tensor([50, 51, 52, 7, 113])[-tokens:]
+    caches = [torch.randn(3 * ctx, n_kv, dim, generator=gen) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
-    assert cpu_ops.rope_takes(q, k, v, positions, seq_ids, *caches)
-    ours = cpu_ops.rope_and_cache(q, k, v, cos, sin, positions, seq_ids, *caches, style)
-    ref = rope.rope_and_cache_ref(q, k, v, cos, sin, positions, seq_ids, *ref_caches, style)
+    assert cpu_ops.rope_takes(q, k, v, positions, slots, *caches)
+    ours = cpu_ops.rope_and_cache(q, k, v, cos, sin, positions, slots, *caches, style)
+    ref = rope.rope_and_cache_ref(q, k, v, cos, sin, positions, slots, *ref_caches, style)
     assert torch.equal(ours, ref)  # elementwise, rounded as torch rounds
     assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
 
@@ -55,17 +56,17 @@ def test_rope_and_cache(style: str, dim: int, rope_dim: int, tokens: int) -> Non
 @pytest.mark.parametrize(("dim", "n_heads", "n_kv"), [(64, 9, 3), (40, 4, 4)])
 def test_attention(dim: int, n_heads: int, n_kv: int) -> None:
     gen = torch.Generator().manual_seed(dim + n_heads)
-    ctx = 300
-    k_cache, v_cache = torch.randn(2, n_kv, ctx, dim, generator=gen), torch.randn(2, n_kv, ctx, dim, generator=gen)
+    cache = paged_cache(2, n_kv, 300, dim, gen)
     # a verify run of 4 rows of sequence 0, then one decode row of sequence 1 deep in its cache
     positions = torch.tensor([10, 11, 12, 13, 250])
     seq_ids = torch.tensor([0, 0, 0, 0, 1])
     runs = [(0, 0, 4, 14), (1, 4, 5, 251)]
     q = torch.randn(5, n_heads, dim, generator=gen)
-    assert cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids)
-    ours = cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, dim**-0.5)
-    ref = attention.attention_ref(q, k_cache, v_cache, positions, seq_ids, runs, dim**-0.5)
+    assert cpu_ops.attention_takes(q, cache.k, cache.v, positions, seq_ids, cache.table)
+    ours = cpu_ops.attention(q, cache.k, cache.v, positions, seq_ids, cache.table, 16, dim**-0.5)
+    ref = attention.attention_ref(q, cache.k, cache.v, positions, seq_ids, cache.table, 16, runs, dim**-0.5)
     assert _rel(ours, ref) < 1e-5
+    assert _rel(ref, dense_attention(q, cache, positions, seq_ids, dim**-0.5)) < 1e-5
 
 
 @pytest.mark.parametrize(("rows", "n"), [(1, 1536), (3, 100)])
@@ -90,12 +91,12 @@ def test_a_row_is_the_same_in_any_batch() -> None:
     """Each op computes a row on its own: rows of a batch equal the same rows computed alone, bit for bit."""
     gen = torch.Generator().manual_seed(3)
     n_heads, n_kv, dim, ctx = 6, 2, 64, 64
-    k_cache, v_cache = torch.randn(2, n_kv, ctx, dim, generator=gen), torch.randn(2, n_kv, ctx, dim, generator=gen)
+    c = paged_cache(2, n_kv, ctx, dim, gen)
     q = torch.randn(7, n_heads, dim, generator=gen)
     positions, seq_ids = torch.tensor([5, 6, 7, 8, 9, 10, 40]), torch.tensor([0, 0, 0, 0, 0, 0, 1])
-    batch = cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, 0.125)
+    batch = cpu_ops.attention(q, c.k, c.v, positions, seq_ids, c.table, 16, 0.125)
     for t in range(7):
-        alone = cpu_ops.attention(q[t : t + 1], k_cache, v_cache, positions[t : t + 1], seq_ids[t : t + 1], 0.125)
+        alone = cpu_ops.attention(q[t : t + 1], c.k, c.v, positions[t : t + 1], seq_ids[t : t + 1], c.table, 16, 0.125)
         assert torch.equal(alone[0], batch[t])
     x, res, w = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen), torch.rand(576) + 0.5
     out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-5)

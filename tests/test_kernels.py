@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from specserve.kernels.dispatch import HAVE_TRITON
+from specserve.model.kv_cache import PagedKV
+from tests.paged import dense_attention, paged_cache
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET):
@@ -58,29 +60,29 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int, head
     v = qkv[:, (n_heads + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
     cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
     positions = torch.randperm(ctx, device=DEVICE)[:n_tok]
-    seq_ids = torch.randint(0, n_seqs, (n_tok,), device=DEVICE)
-    kv = torch.randn(2, 2, n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)  # [layer, k/v, ...]
+    slots = torch.randperm(n_seqs * ctx, device=DEVICE)[:n_tok]  # anywhere in the pool
+    kv = torch.randn(2, 2, n_seqs * ctx, n_kv, head_dim, device=DEVICE).to(DTYPE)  # [layer, k/v, slot, ...]
     kv_ref = kv.clone()
     norms = (torch.rand(head_dim, device=DEVICE) + 0.5, torch.rand(head_dim, device=DEVICE) + 0.5, 1e-6)
-    got_q = rope_triton.rope_and_cache(q, k, v, cos, sin, positions, seq_ids, kv[1, 0], kv[1, 1], style,
+    got_q = rope_triton.rope_and_cache(q, k, v, cos, sin, positions, slots, kv[1, 0], kv[1, 1], style,
                                        norms if head_norms else None)
     if head_norms:
         q, k = rms_norm_ref(q, norms[0], norms[2]), rms_norm_ref(k, norms[1], norms[2])
-    ref_q = rope_and_cache_ref(q, k, v, cos, sin, positions, seq_ids, kv_ref[1, 0], kv_ref[1, 1], style)
+    ref_q = rope_and_cache_ref(q, k, v, cos, sin, positions, slots, kv_ref[1, 0], kv_ref[1, 1], style)
     assert rel_err(got_q, ref_q) < TOL
     assert rel_err(kv, kv_ref) < TOL
     assert torch.equal(kv[0], kv_ref[0])  # the other layer untouched
 
 
 @pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (12, 2, 128), (14, 2, 64)])
-@pytest.mark.parametrize("rows_per_seq,ctx", [(1, 600), (4, 600), (9, 600), (3, 5000)])
-def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ctx: int) -> None:
+@pytest.mark.parametrize("rows_per_seq,ctx,block_size", [(1, 600, 16), (4, 600, 16), (9, 600, 128), (3, 5000, 16)])
+def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ctx: int, block_size: int) -> None:
+    """Over a paged cache whose blocks lie scattered in the pool, against the dense layout's attention."""
     from specserve.kernels import attention_triton
-    from specserve.kernels.attention import attention_ref
 
     n_seqs = 3  # several splits (5000: longer splits, 40 of them)
-    k_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
-    v_cache = torch.randn(n_seqs, n_kv, ctx, head_dim, device=DEVICE).to(DTYPE)
+    cache = paged_cache(n_seqs, n_kv, ctx, head_dim, torch.Generator().manual_seed(ctx + head_dim), block_size,
+                        DTYPE, DEVICE)
     seq_lens = torch.randint(rows_per_seq, ctx, (n_seqs,)).tolist()
     seq_ids, positions, runs = [], [], []
     for seq, length in enumerate(seq_lens):
@@ -93,9 +95,8 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     pos_t = torch.tensor(positions, device=DEVICE)
     seq_t = torch.tensor(seq_ids, device=DEVICE)
     scale = head_dim ** -0.5
-    got = attention_triton.attention(q, k_cache, v_cache, pos_t, seq_t, scale)
-    ref = attention_ref(q.float(), k_cache.float(), v_cache.float(), pos_t, seq_t, runs, scale)
-    assert rel_err(got, ref) < TOL
+    got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, block_size, scale)
+    assert rel_err(got, dense_attention(q, cache, pos_t, seq_t, scale)) < TOL
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 8960), (5, 96), (16, 1000)])
@@ -366,13 +367,13 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
     cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
     x = torch.randn(20, k, device=DEVICE).to(DTYPE)
     positions = torch.randperm(ctx, device=DEVICE)[:20]
-    seq_ids = torch.randint(0, n_seqs, (20,), device=DEVICE)
+    slots = torch.randperm(n_seqs * ctx, device=DEVICE)[:20]
 
     def fused(rows: slice, caches: torch.Tensor) -> torch.Tensor:
-        rope = RopeWrite(cos, sin, positions[rows], seq_ids[rows], caches[0], caches[1], n_heads, n_kv, style)
+        rope = RopeWrite(cos, sin, positions[rows], slots[rows], caches[0], caches[1], n_heads, n_kv, style)
         return linear_fused(x[rows], w, bias, norm=norm, rope=rope)
 
-    singles_kv = torch.zeros(2, n_seqs, n_kv, ctx, head_dim, device=DEVICE, dtype=DTYPE)
+    singles_kv = torch.zeros(2, n_seqs * ctx, n_kv, head_dim, device=DEVICE, dtype=DTYPE)
     singles = torch.cat([fused(slice(i, i + 1), singles_kv) for i in range(20)])
     for rows in (1, 5, 16, 20):
         caches = torch.zeros_like(singles_kv)
@@ -382,7 +383,7 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
         q, kk, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
         ref_caches = torch.zeros_like(caches)
         ref_q = rope_and_cache(q.view(rows, n_heads, head_dim), kk.view(rows, n_kv, head_dim),
-                               v.reshape(rows, n_kv, head_dim), cos, sin, positions[:rows], seq_ids[:rows],
+                               v.reshape(rows, n_kv, head_dim), cos, sin, positions[:rows], slots[:rows],
                                ref_caches[0], ref_caches[1], style)
         assert rel_err(got, ref_q.view(rows, -1)) < TOL
         assert rel_err(caches[0], ref_caches[0]) < TOL
@@ -436,14 +437,16 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
     outs: dict[str, list[torch.Tensor]] = {}
     for mode in ("triton", "torch"):
         monkeypatch.setenv("SPECSERVE_NO_TRITON", "1" if mode == "torch" else "0")
-        kv = torch.zeros(cfg.n_layers, 2, 1, cfg.n_kv_heads, 64, cfg.head_dim, device=DEVICE, dtype=DTYPE)
+        kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=4, n_seqs=1, n_ctx=64, block_size=16,
+                     dtype=DTYPE, device=torch.device(DEVICE))
         outs[mode] = []
         for pos in steps:
             p = torch.tensor(pos, device=DEVICE)
             tokens = (p * 37 + 5) % cfg.vocab_size
             seq = torch.zeros_like(p)
             runs = [(0, 0, len(pos), pos[-1] + 1)]
-            outs[mode].append(model.forward(tokens, p, seq, None, runs, kv))
+            slots = (3 - p // 16) * 16 + p % 16  # the blocks in reverse order
+            outs[mode].append(model.forward(tokens, p, seq, None, runs, kv.step(slots)))
     for got, ref in zip(outs["triton"], outs["torch"], strict=True):
         assert got.dtype == torch.float32
         assert rel_err(got, ref) < TOL
@@ -466,18 +469,18 @@ def test_sixteen_row_slices_in_one_launch_match_their_own_launches(fold: str) ->
     norm = ((torch.rand(k, device=DEVICE) + 0.5).to(DTYPE), 1e-6) if fold == "norm" else None
     residual = torch.randn(rows, n_out, device=DEVICE).to(DTYPE)
     cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
-    positions = torch.randperm(n_seqs * ctx, device=DEVICE)[:rows]
-    seq_ids, positions = positions // ctx, positions % ctx  # every (sequence, position) written once
+    slots = torch.randperm(n_seqs * ctx, device=DEVICE)[:rows]  # every slot written once
+    positions = slots % ctx
 
     def call(part: slice, caches: torch.Tensor) -> torch.Tensor:
-        rope = (RopeWrite(cos, sin, positions[part], seq_ids[part], caches[0], caches[1], n_heads, n_kv, "neox")
+        rope = (RopeWrite(cos, sin, positions[part], slots[part], caches[0], caches[1], n_heads, n_kv, "neox")
                 if fold == "rope" else None)
         add_to = residual[part].clone() if fold == "add" else None
         return quant_cuda.gemv(x[part], w, None, False, torch.float32 if fold == "logits" else DTYPE,
                                kernel="gemv_mma", swiglu_output=fold == "swiglu", norm=norm, add_to=add_to,
                                rope=rope)
 
-    caches = torch.zeros(2, n_seqs, n_kv, ctx, head_dim, device=DEVICE, dtype=DTYPE)
+    caches = torch.zeros(2, n_seqs * ctx, n_kv, head_dim, device=DEVICE, dtype=DTYPE)
     pieces_kv = torch.zeros_like(caches)
     whole = call(slice(0, rows), caches)
     pieces = torch.cat([call(slice(i, min(i + 16, rows)), pieces_kv) for i in range(0, rows, 16)])

@@ -12,6 +12,7 @@ from gguf import GGUFWriter
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.model.config import ModelConfig
+from specserve.model.kv_cache import PagedKV
 from specserve.model.registry import FAMILIES, family
 from specserve.model.transformer import Transformer
 from specserve.model.weights import load_weights
@@ -94,13 +95,13 @@ def test_family_reads_its_config_and_runs(arch: str, tmp_path: Path) -> None:
     model = Transformer(cfg, weights, 32)
     qkv = model.layers[0].attention.qkv
     assert (qkv.bias is not None, qkv.head_norms is not None, qkv.style) == (bias, qk_norm, rope_style)
-    kv = torch.zeros(N_LAYERS, 2, 1, N_KV_HEADS, 32, HEAD_DIM)
+    kv = PagedKV(N_LAYERS, N_KV_HEADS, HEAD_DIM, n_blocks=2, n_seqs=1, n_ctx=32, block_size=16,
+                 dtype=torch.float32, device=torch.device("cpu"))
     positions = torch.arange(5)
     logits = model.forward(torch.tensor([3, 1, 4, 1, 5]), positions, torch.zeros(5, dtype=torch.long), None,
-                           [(0, 0, 5, 5)], kv)
+                           [(0, 0, 5, 5)], kv.step(positions + 16))
     assert logits.shape == (5, VOCAB) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
     # The prompt's last row again as a decode step over the cached prefix: the same logits.
-    kv_step = kv.clone()
     step = model.forward(torch.tensor([5]), positions[4:], torch.zeros(1, dtype=torch.long), None,
-                         [(0, 0, 1, 5)], kv_step)
+                         [(0, 0, 1, 5)], kv.step(positions[4:] + 16))
     torch.testing.assert_close(step[0], logits[4], rtol=1e-5, atol=1e-5)

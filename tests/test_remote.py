@@ -66,8 +66,9 @@ def test_handshake_refuses_wrong_magic_version_and_token(tmp_path: Path) -> None
 
 
 def test_load_codes_and_requests_before_load(tmp_path: Path) -> None:
-    load = p.encode_request("load", 2, model="m", n_seqs=2, n_ctx=64, weight_format="auto", device="")
-    missing = p.encode_request("load", 3, model="missing", n_seqs=2, n_ctx=64, weight_format="auto", device="")
+    load = p.encode_request("load", 2, model="m", n_seqs=2, n_ctx=64, kv_size=0, weight_format="auto", device="")
+    missing = p.encode_request("load", 3, model="missing", n_seqs=2, n_ctx=64, kv_size=0, weight_format="auto",
+                               device="")
     truncate = p.encode_request("kv_truncate", 4, seq=0, n_keep=0)
     with host_thread(f"unix:{tmp_path / 'h.sock'}") as address:
         got = raw_exchange(address, [hello(), truncate, missing, load, load])
@@ -129,23 +130,19 @@ def frames_until_reply(s: socket.socket) -> list[tuple[int, p.Status, object]]:
     return out
 
 
-@pytest.mark.parametrize("minor", [0, p.KEEPALIVE_MINOR])
-def test_keepalives_only_for_fronts_that_read_them(tmp_path: Path, minor: int) -> None:
-    load = p.encode_request("load", 7, model="m", n_seqs=1, n_ctx=64, weight_format="auto", device="")
+def test_a_slow_load_sends_keepalives(tmp_path: Path) -> None:
+    load = p.encode_request("load", 7, model="m", n_seqs=1, n_ctx=64, kv_size=0, weight_format="auto", device="")
     with host_thread(f"unix:{tmp_path / 'h.sock'}", slow_loader(0.6), keepalive=BEAT) as address, \
             socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(p.parse_address(address)[1])
-        p.send_frame(s, hello(minor=minor))
+        p.send_frame(s, hello())
         assert frames_until_reply(s)[-1][:2] == (1, p.Status.OK)
         p.send_frame(s, load)
         got = frames_until_reply(s)
         assert got[-1][:2] == (7, p.Status.OK)
         beats = got[:-1]
-        if minor < p.KEEPALIVE_MINOR:
-            assert beats == []  # it would take a BUSY frame for its reply
-        else:
-            assert len(beats) >= 5 and all(rid == 7 and body.startswith("load:") for rid, _, body in beats)
+        assert len(beats) >= 5 and all(rid == 7 and body.startswith("load:") for rid, _, body in beats)
 
 
 @pytest.mark.parametrize("then", ["silent", "close"])
@@ -200,10 +197,10 @@ def local(smollm_path: Path) -> tuple[LocalRunner, Tokenizer]:
     return runner, Tokenizer.from_gguf(runner.gguf)
 
 
-def real_loader(model: str, n_seqs: int, n_ctx: int, weight_format: str, device: str):
+def real_loader(model: str, n_seqs: int, n_ctx: int, kv_size: int, weight_format: str, device: str):
     from specserve.cli.remote_host import load_runner
 
-    return load_runner(model, n_seqs, n_ctx, weight_format, "cpu")
+    return load_runner(model, n_seqs, n_ctx, kv_size, weight_format, "cpu")
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])

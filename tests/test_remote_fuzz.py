@@ -39,7 +39,7 @@ def greeted(address: str) -> socket.socket:
     s = connect(address)
     assert call(s, p.encode_request("hello", 1, magic=p.MAGIC, major=p.VERSION[0], minor=p.VERSION[1],
                                     token="")) == p.Status.OK
-    assert call(s, p.encode_request("load", 2, model="m", n_seqs=4, n_ctx=128, weight_format="auto",
+    assert call(s, p.encode_request("load", 2, model="m", n_seqs=4, n_ctx=128, kv_size=0, weight_format="auto",
                                     device="")) == p.Status.OK
     return s
 
@@ -52,7 +52,7 @@ SEEDS = [
     p.encode_request("kv_copy", 6, src=0, dst=2),
     p.encode_request("warmup", 7, max_rows=4, prompt_rows=8),
     p.encode_request("memory_info", 8),
-    p.encode_request("load", 9, model="again", n_seqs=1, n_ctx=8, weight_format="auto", device=""),
+    p.encode_request("load", 9, model="again", n_seqs=1, n_ctx=8, kv_size=0, weight_format="auto", device=""),
 ]
 
 

@@ -18,9 +18,8 @@ from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import Chain, SpecParams, Speculator
 from specserve.speculative.factory import build_chain
-from tests.helpers import running_scheduler
+from tests.helpers import GREEDY, running_scheduler, submit, wait
 
-GREEDY = SamplingParams(temperature=0.0)
 N_SLOTS = 2
 
 
@@ -38,23 +37,6 @@ def tokenizer(target: LocalRunner) -> Tokenizer:
 def scheduler(target: LocalRunner, tokenizer: Tokenizer) -> Iterator[Scheduler]:
     with running_scheduler(target, tokenizer) as sched:
         yield sched
-
-
-def submit(sched: Scheduler, tokenizer: Tokenizer, prompt: str, n_predict: int = 12,
-           spec: SpecParams | None = None, **kw: object) -> tuple[TaskHandle, queue.Queue]:
-    events: queue.Queue = queue.Queue()
-    task = Task(tokenizer.encode(prompt), GREEDY, spec or SpecParams(), n_predict=n_predict, **kw)  # type: ignore[arg-type]
-    return sched.submit(task, events.put), events
-
-
-def wait(events: queue.Queue) -> tuple[str, Result | Failure]:
-    text = ""
-    while True:
-        event = events.get(timeout=120)
-        if isinstance(event, Chunk):
-            text += event.text
-        else:
-            return text, event
 
 
 PROMPTS = ["The capital of France is", "Here is a long list of fruits: apple, banana, cherry, date, elderberry,"]

@@ -21,14 +21,14 @@ from tests.server_utils import ServerProcess
 
 API_KEY = "test-key-123"
 N_SLOTS = 4
-SLOT_CTX = 1024
+CTX = 1024  # -c: the KV pool the slots share, and so the most one slot may hold
 REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     # Some settings come from llama-server's environment variables, the rest from flags.
-    env = {"LLAMA_ARG_N_PARALLEL": str(N_SLOTS), "LLAMA_ARG_CTX_SIZE": str(N_SLOTS * SLOT_CTX),
+    env = {"LLAMA_ARG_N_PARALLEL": str(N_SLOTS), "LLAMA_ARG_CTX_SIZE": str(CTX),
            "LLAMA_API_KEY": API_KEY, "LLAMA_ARG_DRAFT_P_MIN": "0.5"}
     srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", env=env, api_key=API_KEY)
     try:
@@ -74,14 +74,14 @@ def test_health_reports_loading_then_ready(server: ServerProcess) -> None:
 def test_props_models_and_slots(server: ServerProcess, client: openai.OpenAI) -> None:
     props = server.get("/props").json()
     assert props["total_slots"] == N_SLOTS  # LLAMA_ARG_N_PARALLEL
-    assert props["default_generation_settings"]["n_ctx"] == SLOT_CTX  # LLAMA_ARG_CTX_SIZE over the slots
+    assert props["default_generation_settings"]["n_ctx"] == CTX  # LLAMA_ARG_CTX_SIZE: any slot may use all of it
     assert props["default_generation_settings"]["params"]["speculative.p_min"] == 0.5  # LLAMA_ARG_DRAFT_P_MIN
     assert "<|im_start|>" in props["chat_template"]
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
     slots = server.get("/slots").json()
     assert [s["id"] for s in slots] == list(range(N_SLOTS))
-    assert all(s["n_ctx"] == SLOT_CTX and s["state"] in ("idle", "generating", "processing_prompt") for s in slots)
+    assert all(s["n_ctx"] == CTX and s["state"] in ("idle", "generating", "processing_prompt") for s in slots)
 
 
 # ---- OpenAI client ---------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def always_drafting() -> Iterator[ServerProcess]:
     """A server whose slots draft whenever a speculator has a draft (no draft gate): drafts are certain."""
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", str(N_SLOTS), "-c", str(N_SLOTS * SLOT_CTX),
+    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", str(N_SLOTS), "-c", str(CTX),
                         "--draft-policy", "always")
     try:
         yield srv.wait_ready()
@@ -344,7 +344,7 @@ def test_prompt_over_the_context(server: ServerProcess, path: str, body: dict) -
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "exceed_context_size_error" and err["code"] == 400 and "slot context" in err["message"]
-    assert err["n_ctx"] == SLOT_CTX and err["n_prompt_tokens"] > SLOT_CTX
+    assert err["n_ctx"] == CTX and err["n_prompt_tokens"] > CTX
 
 
 def test_model_names(server: ServerProcess, client: openai.OpenAI, smollm_path) -> None:
@@ -498,6 +498,11 @@ def test_metrics_parse_and_move(server: ServerProcess) -> None:
     assert 0 < delta("llamacpp:draft_tokens_accepted_total", ngram) <= delta("llamacpp:draft_tokens_total", ngram)
     assert after[("llamacpp:requests_processing", ())] == 0
     assert ("llamacpp:requests_deferred", ()) in after
+    # the pool: positions held in whole blocks (this request's cache stays), of -c in all; nothing preempted
+    held = after[("llamacpp:kv_cache_tokens", ())]
+    assert held % 16 == 0 and held >= delta("llamacpp:prompt_tokens_total")
+    assert after[("llamacpp:kv_cache_usage_ratio", ())] == held / CTX
+    assert after[("llamacpp:kv_preemptions_total", ())] == 0
 
 
 def test_slots_show_request_params(server: ServerProcess) -> None:
@@ -535,7 +540,7 @@ def test_serve_defaults_and_env_parsing(monkeypatch: pytest.MonkeyPatch) -> None
     (["--spec-type", "magic"], "unknown speculative type"),
     (["-lcs", "/nonexistent/cache.bin"], "static lookup cache not found"),
     (["-np", "0"], "parallel"),
-    (["-c", "40", "-np", "4"], "per slot"),
+    (["-c", "8", "-np", "4"], "too small"),
     (["--port", "70000"], "not a TCP port"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--max-body-bytes", "0"], "--max-body-bytes"),

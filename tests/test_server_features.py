@@ -185,7 +185,7 @@ def test_bad_embedding_requests(server: ServerProcess) -> None:
     error(server.post("/v1/embeddings", {"input": "x", "encoding_format": "int8"}), 400)
     r = server.post("/v1/embeddings", {"input": "x", "model": "gpt-4"})
     assert r.status_code == 404
-    long = server.post("/embedding", {"content": "word " * 1100})
+    long = server.post("/embedding", {"content": "word " * 2100})  # past -c, which one slot may use whole
     error(long, 400, "exceed_context_size_error")
 
 

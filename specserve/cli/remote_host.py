@@ -17,14 +17,15 @@ from specserve.remote.host import serve
 from specserve.remote.protocol import ProtocolError, Status, parse_address
 
 
-def load_runner(model: str, n_seqs: int, n_ctx: int, weight_format: str, device: str) -> LocalRunner:
+def load_runner(model: str, n_seqs: int, n_ctx: int, kv_size: int, weight_format: str, device: str) -> LocalRunner:
     """A front's load request, with the protocol's status for each way it can fail."""
     try:
         path = catalog.resolve(model or None)
     except SpecserveError as exc:
         raise ProtocolError(Status.FILE_MISSING, str(exc)) from None
     try:
-        runner = LocalRunner(path, n_seqs=n_seqs, n_ctx=n_ctx or None, device=device or None, progress=False,
+        runner = LocalRunner(path, n_seqs=n_seqs, n_ctx=n_ctx or None, kv_size=kv_size or None,
+                             device=device or None, progress=False,
                              weight_format=weight_format or "auto")
     except torch.cuda.OutOfMemoryError as exc:
         raise ProtocolError(Status.OUT_OF_MEMORY, str(exc)) from None

@@ -70,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     for action in p._actions:
         if action.dest == "ctx_size":
-            action.help = "total context over all slots, as llama-server (default: min(model, 4096) per slot)"
+            action.help = ("KV positions all slots share, paged: memory follows use and any one slot may reach "
+                           "all of them (default: min(model, 4096) per slot, times the slots)")
     g = p.add_argument_group("server")
     g.add_argument("-np", "--parallel", type=int, default=4, help="number of slots decoding together (default 4)")
     g.add_argument("-b", "--batch-size", type=int, default=512,
@@ -144,7 +145,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         **llama_server_settings(args),
     )
     check_settings(settings)
-    settings.slot_ctx()
+    settings.kv_size()
     static = settings.spec.lookup_cache_static
     if static is not None and not os.path.isfile(static):
         raise SpecserveError(f"static lookup cache not found: {static}")

@@ -2,10 +2,10 @@
 
 At batch sizes of a few tokens the GPU finishes each kernel faster than Python can launch the
 next, so the whole forward is captured once per row-count bucket and replayed. A graph's inputs
-are [4, rows] long values — tokens, positions, sequence ids, and for each row the batch row of the
-step launched just before whose argmax is its token (-1: the token given) — that the host writes
-into a pinned buffer of the graph's own and its first node copies to the device; rows past the
-batch are padding that writes only to a scratch sequence. Feeding tokens from the previous step's
+are [5, rows] long values — tokens, positions, sequence ids, for each row the batch row of the
+step launched just before whose argmax is its token (-1: the token given), and each row's KV pool
+slot — that the host writes into a pinned buffer of the graph's own and its first node copies to the
+device; rows past the batch are padding that writes only to a scratch block. Feeding tokens from the previous step's
 argmax on the device lets the scheduler queue step N + 1 before it has read step N.
 
 Each bucket has two graphs, one per parity of the runner's launch count: the graph of parity p takes
@@ -16,7 +16,7 @@ waits for a step to finish before queuing the next.
 
 Steps of up to 16 rows return logits for every row; the caller picks the rows it wants. Larger
 batches (up to 512 rows) compute the logits of only the rows they want, up to a bucket of `picks`
-rows whose indices are a fifth input row: a prompt chunk wants one row or none, a chunk read beside
+rows whose indices are a sixth input row: a prompt chunk wants one row or none, a chunk read beside
 the decode rows of other slots one per slot; a batch that wants about as many rows as it has (a
 verify step) takes the every-row graph of its bucket (up to 256 rows; past that, every row picked).
 Without the picked graphs a mixed batch ran eagerly: ~14 ms of kernel launches from Python for a 3 ms
@@ -75,24 +75,26 @@ def feed_tokens(tokens: torch.Tensor, fed: torch.Tensor, previous_argmax: torch.
 
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: PinnedInputs  # [4, rows] (picked graphs: [5, rows], the wanted rows' indices at [4, :picks]);
+    inputs: PinnedInputs  # [5, rows] (picked graphs: [6, rows], the wanted rows' indices at [5, :picks]);
     # its `done` event also says when the argmax is there
     logits: torch.Tensor
     argmax: np.ndarray  # pinned: each logit row's argmax, copied back by the last node
 
 
 class GraphCache:
-    """Captures `forward(tokens, positions, seq_ids, logit_rows) -> logits` per bucket and parity, lazily."""
+    """Captures `forward(tokens, positions, seq_ids, slots, logit_rows) -> logits` per bucket and parity, lazily."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                                         torch.Tensor],
-                 device: torch.device, pad_seq: int, ring: torch.Tensor, max_rows: int = STEP_ROWS,
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor | None], torch.Tensor],
+                 device: torch.device, pad_seq: int, pad_slot: int, ring: torch.Tensor, max_rows: int = STEP_ROWS,
                  max_prompt_rows: int = PROMPT_ROWS):
-        """forward: fp32 logits of the rows in logit_rows (None: of every row). ring: [2, RING_ROWS] long, the
-        argmax rows of the last two steps (shared with the runner's eager path)."""
+        """forward: fp32 logits of the rows in logit_rows (None: of every row). pad_seq, pad_slot: the scratch
+        sequence and KV slot padding rows use. ring: [2, RING_ROWS] long, the argmax rows of the last two steps
+        (shared with the runner's eager path)."""
         self.forward = forward
         self.device = device
         self.pad_seq = pad_seq
+        self.pad_slot = pad_slot
         self.ring = ring
         self.max_rows = max_rows
         self.max_prompt_rows = max_prompt_rows
@@ -120,6 +122,7 @@ class GraphCache:
         inputs[1, start:] = 0
         inputs[2, start:] = self.pad_seq
         inputs[3, start:] = -1
+        inputs[4, start:] = self.pad_slot
 
     def capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
@@ -137,17 +140,17 @@ class GraphCache:
 
     def _capture(self, key: tuple[int, int, int]) -> StepGraph:
         rows, picks, parity = key
-        initial = torch.zeros((5 if picks else 4, rows), dtype=torch.long)
+        initial = torch.zeros((6 if picks else 5, rows), dtype=torch.long)
         self._pad_rows(initial, 0)
         inputs = PinnedInputs(initial, self.device)
-        pick = inputs.on_device[4, :picks] if picks else None
+        pick = inputs.on_device[5, :picks] if picks else None
         host_argmax = torch.zeros(picks or rows, dtype=torch.long, pin_memory=True)
         mine, previous = self.ring[parity], self.ring[1 - parity]
 
         def step() -> torch.Tensor:
             device_in = inputs.upload()
             tokens = feed_tokens(device_in[0], device_in[3], previous)
-            logits = self.forward(tokens, device_in[1], device_in[2], pick)
+            logits = self.forward(tokens, device_in[1], device_in[2], device_in[4], pick)
             argmax = logits.argmax(dim=-1)
             if pick is not None:
                 mine.index_copy_(0, pick, argmax)
@@ -172,8 +175,10 @@ class GraphCache:
                 if (rows, picks, parity) not in self.graphs:
                     self.graphs[rows, picks, parity] = self._capture((rows, picks, parity))
 
-    def launch(self, batch: Batch, fed: Sequence[int] | None, parity: int) -> LaunchedStep | None:
-        """Queue the batch (fed: see the module docstring), or None where no graph takes it."""
+    def launch(self, batch: Batch, slots: Sequence[int], fed: Sequence[int] | None,
+               parity: int) -> LaunchedStep | None:
+        """Queue the batch (slots: each row's KV pool slot; fed: see the module docstring), or None where no graph
+        takes it."""
         n = len(batch)
         wanted = batch.logit_rows()
         key = self.graph_key(n, len(wanted))
@@ -189,10 +194,11 @@ class GraphCache:
         host[1, :n] = batch.positions
         host[2, :n] = batch.seq_ids
         host[3, :n] = -1 if fed is None else fed
+        host[4, :n] = slots
         self._pad_rows(host, n)
         if picks:  # the padding repeats the last wanted row: its argmax lands in the same ring slot
-            host[4, :len(wanted)] = wanted
-            host[4, len(wanted):picks] = wanted[-1] if wanted else 0
+            host[5, :len(wanted)] = wanted
+            host[5, len(wanted):picks] = wanted[-1] if wanted else 0
         step.inputs.replay(step.graph)
         done = step.inputs.done
         if picks:

@@ -25,7 +25,7 @@ class RemoteOptions:
 
 def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,
                     tensor_parallel: int = 1, **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
-    """The target's runner, the draft's if a draft model is given (same settings and context size,
+    """The target's runner, the draft's if a draft model is given (same settings, context and KV size,
     vocabulary checked against the target's), and the target's path (on the host, for a remote one).
     tensor_parallel > 1: the target split over that many ranks (tp_runner.py); the draft runs on rank 0 alone."""
     if remote is not None:
@@ -41,11 +41,11 @@ def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptio
 
 
 def _load_remote(model: str, draft: str | None, remote: RemoteOptions, *, n_seqs: int = 1,
-                 n_ctx: int | None = None, device: str | None = None, weight_format: str = "auto",
-                 **_: Any) -> tuple[Runner, Runner | None, Path]:
+                 n_ctx: int | None = None, kv_size: int | None = None, device: str | None = None,
+                 weight_format: str = "auto", **_: Any) -> tuple[Runner, Runner | None, Path]:
     def connect(name: str, ctx: int | None) -> RemoteRunner:
-        return RemoteRunner(remote.address, name, n_seqs=n_seqs, n_ctx=ctx, weight_format=weight_format,
-                            device=device, token=remote.token, timeout=remote.timeout)
+        return RemoteRunner(remote.address, name, n_seqs=n_seqs, n_ctx=ctx, kv_size=kv_size,
+                            weight_format=weight_format, device=device, token=remote.token, timeout=remote.timeout)
 
     runner = connect(model, n_ctx)
     if draft is None:

@@ -16,6 +16,8 @@ from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.linear import MAX_GEMV_ROWS
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
+from specserve.model.kv_blocks import BLOCK_SIZE
+from specserve.model.kv_cache import PagedKV
 from specserve.model.kv_ledger import KVLedger
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
@@ -60,7 +62,8 @@ def freeze_gc() -> None:
 
 
 class LocalRunner:
-    """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each."""
+    """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each, which share a KV pool
+    of `kv_size` positions (default: n_seqs * n_ctx)."""
 
     def __init__(
         self,
@@ -68,6 +71,7 @@ class LocalRunner:
         *,
         n_seqs: int = 1,
         n_ctx: int | None = None,
+        kv_size: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         progress: bool = True,
@@ -85,41 +89,42 @@ class LocalRunner:
         dt = dtype or default_dtype(dev)
         self.weight_format = resolve_weight_format(weight_format, dev)
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
-        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs)
+        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs, kv_size)
         self.gguf: GGUFFile | None = gguf
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1,
-                     n_ctx: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
+    def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1, n_ctx: int | None = None,
+                     kv_size: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
         """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
         quantizes their matrices in place."""
         runner = cls.__new__(cls)
         runner.weight_format = resolve_weight_format(weight_format)
-        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs)
+        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs, kv_size)
         runner.gguf = None
         return runner
 
     def _setup(self, config: ModelConfig, weights: ModelWeights, n_seqs: int, n_ctx: int | None,
-               cuda_graphs: bool) -> None:
+               cuda_graphs: bool, kv_size: int | None = None) -> None:
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.n_ctx = int(n_ctx or min(config.context_length, 4096))
-        if self.n_ctx < 1 or n_seqs < 1:
-            raise SpecserveError(f"invalid context size {self.n_ctx} or sequence count {n_seqs}")
+        if self.n_ctx < 1 or n_seqs < 1 or (kv_size is not None and kv_size < 1):
+            raise SpecserveError(f"invalid context size {self.n_ctx}, KV size {kv_size} or sequence count {n_seqs}")
+        self.n_ctx = min(self.n_ctx, kv_size or self.n_ctx)  # one sequence may hold the whole pool, no more
         self.n_seqs = n_seqs
         self.model = self._build_model(config, weights)
         cfg = config
         use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
                       and triton_enabled(weights.embed))
-        # With graphs, one extra sequence absorbs the writes of padding rows.
-        self.kv = torch.zeros(
-            (cfg.n_layers, 2, n_seqs + int(use_graphs), cfg.n_kv_heads, self.n_ctx, cfg.head_dim),
-            dtype=self.dtype, device=self.device,
-        )
-        self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size)
+        self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size, kv_size, BLOCK_SIZE)
         self.seq_len = self.ledger.seq_len  # (the same list)
+        self.kv_size = self.ledger.kv_size
+        # With graphs, a scratch block (through a scratch table row) absorbs the writes of padding rows.
+        self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=self.ledger.blocks.n_blocks,
+                          n_seqs=n_seqs, n_ctx=self.n_ctx, block_size=BLOCK_SIZE, dtype=self.dtype, device=self.device,
+                          scratch=use_graphs)
         # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
         # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
         # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
@@ -127,8 +132,8 @@ class LocalRunner:
                               else None)
         self._ring = torch.zeros((2, RING_ROWS), dtype=torch.long, device=self.device)  # see cuda_graphs
         self._launches = 0
-        self.graphs = (GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs, ring=self._ring)
-                       if use_graphs else None)
+        self.graphs = (GraphCache(self._forward_graphable, self.device, pad_seq=n_seqs, pad_slot=self.kv.scratch_slot,
+                                  ring=self._ring) if use_graphs else None)
         freeze_gc()
 
     def _build_model(self, config: ModelConfig, weights: ModelWeights) -> Transformer:
@@ -161,12 +166,13 @@ class LocalRunner:
         batch row fed[i] of the step launched just before on this runner (which wanted that row's logits);
         its entry in batch.tokens is ignored. So the next step can be queued before this one is read. (logits:
         the logits are there either way on this runner.)"""
-        runs = self.ledger.admit(batch, fed)
+        admitted = self.ledger.admit(batch, fed)
+        self.kv.copy_blocks(admitted.copies)
         parity = self._launches % 2
         self._launches += 1
-        step = self.graphs.launch(batch, fed, parity) if self.graphs is not None else None
+        step = self.graphs.launch(batch, admitted.slots, fed, parity) if self.graphs is not None else None
         if step is None:  # no graph takes a batch of this shape
-            step = self._launch_eager(batch, runs, fed, parity)
+            step = self._launch_eager(batch, admitted.runs, admitted.slots, fed, parity)
         return step
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -174,13 +180,13 @@ class LocalRunner:
         return self.launch(batch).logits()
 
     def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                           logit_rows: torch.Tensor | None) -> torch.Tensor:
+                           slots: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
         capture)."""
-        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv)
+        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv.step(slots))
 
-    def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], fed: Sequence[int] | None,
-                      parity: int) -> LaunchedStep:
+    def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], slots: list[int],
+                      fed: Sequence[int] | None, parity: int) -> LaunchedStep:
         dev = self.device
 
         def on_device(values: Sequence[int]) -> torch.Tensor:
@@ -193,7 +199,7 @@ class LocalRunner:
             if fed is not None:
                 tokens = feed_tokens(tokens, on_device(fed), self._ring[1 - parity])
             logits = self.model.forward(tokens, on_device(batch.positions), on_device(batch.seq_ids), rows, runs,
-                                        self.kv)
+                                        self.kv.step(on_device(slots)))
             argmax = logits.argmax(dim=-1)
             self._ring[parity].index_copy_(0, rows, argmax)
         return LaunchedStep(logits, argmax, len(wanted))
@@ -203,36 +209,38 @@ class LocalRunner:
         self.ledger.truncate(seq, n_keep)
 
     def kv_copy(self, src: int, dst: int) -> None:
-        """Make dst's cache a copy of src's (shared prompt prefixes)."""
-        n = self.seq_len[src]
+        """Make dst's cache a copy of src's (shared prompt prefixes): dst holds src's blocks, copied only when one
+        of the two writes into one of them."""
         self.ledger.copy(src, dst)
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        self.kv.set_table(dst, self.ledger.blocks.tables[dst])
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Eager (no graph captures it: embeddings are off the decode path); fp32 [wanted rows, hidden]."""
-        runs = self.ledger.admit(batch, None)
+        admitted = self.ledger.admit(batch, None)
         self.ledger.last_rows = 0  # it leaves no argmax ring: nothing may be fed from it
+        self.kv.copy_blocks(admitted.copies)
         dev = self.device
         with torch.inference_mode():
             def on_device(values: Sequence[int]) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.long).to(dev)
 
-            return self.model.hidden(on_device(batch.tokens), on_device(batch.positions),
-                                     on_device(batch.seq_ids), on_device(batch.logit_rows()), runs, self.kv)
+            return self.model.hidden(on_device(batch.tokens), on_device(batch.positions), on_device(batch.seq_ids),
+                                     on_device(batch.logit_rows()), admitted.runs,
+                                     self.kv.step(on_device(admitted.slots)))
 
     def kv_read(self, seq: int) -> torch.Tensor:
-        n = self.seq_len[seq]
-        return self.kv[:, :, seq, :, :n].to("cpu", copy=True)
+        blocks = self.ledger.blocks
+        return self.kv.read([blocks.slot(seq, p) for p in range(self.seq_len[seq])])
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:
-        layers, two, heads, _, dim = self.kv[:, :, seq].shape
-        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, two, heads, dim):
+        cfg = self.config
+        shape = (cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != shape:
             raise SpecserveError(f"a KV cache of shape {tuple(kv.shape)} does not fit this model's "
-                                 f"[{layers}, 2, {heads}, n, {dim}]")
-        n = kv.shape[3]
-        self.ledger.restore(seq, n)
-        self.kv[:, :, seq, :, :n] = kv.to(self.device, self.dtype)
+                                 f"[{shape[0]}, 2, {shape[2]}, n, {shape[3]}]")
+        slots = self.ledger.restore(seq, kv.shape[3])
+        self.kv.set_table(seq, self.ledger.blocks.tables[seq])
+        self.kv.write(slots, kv)
 
     def memory_info(self) -> dict[str, int]:
-        kv_bytes = self.kv.numel() * self.kv.element_size()
-        return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": kv_bytes}
+        return {"weights_bytes": self.weights.n_bytes(), "kv_bytes": self.kv.n_bytes}

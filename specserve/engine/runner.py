@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from specserve.model.batch import Batch
+from specserve.model.kv_ledger import KVLedger
 
 
 class Step(Protocol):
@@ -30,8 +31,10 @@ class Step(Protocol):
 
 class Runner(Protocol):
     n_seqs: int  # KV sequences (one per slot)
-    n_ctx: int  # positions per sequence
+    n_ctx: int  # the most positions one sequence may hold
+    kv_size: int  # positions of the paged pool all sequences share
     seq_len: list[int]  # KV entries kept per sequence
+    ledger: KVLedger  # lengths and block tables, kept on the host: what a step may take of the pool
     device: torch.device
 
     @property

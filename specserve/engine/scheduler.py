@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from specserve.engine.draft_gate import DraftGate, draft_cap
+from specserve.engine.kv_room import KVRoom, SlotMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import SlotDrafts
@@ -43,10 +44,9 @@ from specserve.speculative.base import Chain, SpecParams
 log = logging.getLogger(__name__)
 
 ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) -> the slot's speculator chain
-MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be copied from
 
 
-class Scheduler(SlotResults, SlotJobs, SlotDrafts):
+class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
     """Serves up to runner.n_seqs tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -63,7 +63,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self.overlap = overlap
         self.n_ctx = runner.n_ctx
         self.slots = [Slot(i) for i in range(runner.n_seqs)]
-        self.counters = SchedulerCounters(kv_capacity=runner.n_seqs * runner.n_ctx)  # kv_tokens: counters_snapshot
+        self.counters = SchedulerCounters(kv_capacity=runner.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
@@ -74,6 +74,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self._halve_room = runner.device.type == "cuda"
         self._drafts_allowed = True
         self._draft_cap = draft_cap(1)
+        self._most_blocks = most_blocks(n_batch, runner.n_seqs, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
 
     # -- public, thread-safe ---------------------------------------------------------------------
@@ -114,7 +115,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
     def counters_snapshot(self) -> SchedulerCounters:
         with self._cond:
             c = self.counters.copy()
-        c.kv_tokens = sum(len(s.cache) for s in self.slots)  # derived when asked, not kept up per step
+        blocks = self.runner.ledger.blocks  # derived when asked, not kept up per step
+        c.kv_tokens = blocks.used * blocks.block_size
         return c
 
     @property
@@ -251,6 +253,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
                 keep = self._share_prefix(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]
+            slot.replay = []
             slot.n_past = slot.n_planned = slot.n_cached = keep
             slot.n_decoded = slot.n_steps = slot.draft_n = slot.draft_accepted = 0
             slot.draft_room = task.spec.n_max
@@ -264,20 +267,6 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         except Exception as exc:
             log.exception("could not start task %d", task.id)
             self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
-
-    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
-        """Where another slot's cache holds more of the prompt than this slot's own (a shared system prompt), copy
-        that sequence's K/V instead of evaluating the prefix again; the caller truncates to the returned length.
-        Only settled positions count (slot.cache), so a step in flight on the other slot cannot matter."""
-        held, best = max(((common_prefix(s.cache, prompt), s) for s in self.slots if s is not slot),
-                         key=lambda pair: pair[0], default=(0, slot))
-        shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
-        if shared < keep + MIN_SHARED_PREFIX:
-            return keep
-        self.runner.kv_copy(best.id, slot.id)
-        with self._cond:
-            self.counters.prompt_tokens_shared += shared - keep
-        return shared
 
     def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
         if spec.n_max == 0 or self.chain_factory is None:
@@ -294,7 +283,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         """Whether the next step can be queued before the step in flight (its live entries) is read: each slot
         in it needs only argmax and carries no draft (a step's first token at a known position), and none ends
         for sure."""
-        if not live and not self._queue and not any(s.state == SlotState.PROMPT for s in self.slots):
+        if not live and not self._queue and not any(s.state in (SlotState.PROMPT, SlotState.RESUMING)
+                                                    for s in self.slots):
             return False
         if self._jobs and self._job_ready():  # let it run at the next turn, with no step in flight
             return False
@@ -312,49 +302,86 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
 
     def _plan(self, in_flight: list[Entry] | None) -> Plan:
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
-        argmax."""
+        argmax. Rows take free KV blocks as they are added (kv_room.py); with no step in flight, running slots
+        are preempted where a generating slot or, with none generating, every reading one finds no room."""
         if TRACE is not None:
             TRACE.planning()
-        plan = Plan()
+        room = KVRoom(self.runner.ledger, self._most_blocks)
         fed = [e for e in in_flight or () if not e.prompt or e.final]
         chained = {e.slot.id for e in fed}
         decoding = [s for s in self.slots
                     if s.state == SlotState.GENERATING and s.handle is not None and s.id not in chained]
+        starved = self._reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
+                                + [(s, len(s.cache)) for s in decoding])
+        while starved:
+            if in_flight is not None:
+                return Plan()  # settle the step in flight first; then this may preempt
+            victim = self._preempt_youngest()
+            if victim is None:  # (no running slot holds KV, so none should starve): they wait
+                decoding = [s for s in decoding if s not in starved]
+                break
+            decoding = [s for s in decoding if s is not victim]
+            room = KVRoom(self.runner.ledger, self._most_blocks)
+            starved = self._reserve(room, [(s, len(s.cache)) for s in decoding])
+        plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
         drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed if not e.prompt]
                               + [(s, s.n_decoded, 0) for s in decoding])
         for e in fed:
-            self._plan_fed(plan, e, drafts.get(e.slot.id, []))
+            self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)
         for slot in decoding:
-            self._plan_decode(plan, slot, drafts[slot.id])
-        # Prompt chunks share what is left of n_batch, but always get a share so they never starve.
-        budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
-        reading = sorted((s for s in self.slots if s.state == SlotState.PROMPT and s.handle is not None
-                          and s.id not in chained), key=lambda s: s.t_start)
-        for slot in reading:
-            prompt = slot.task.prompt
-            if budget <= 0 or slot.n_planned >= len(prompt):
-                continue
-            chunk = prompt[slot.n_planned:slot.n_planned + budget]
-            plan.add_prompt(slot, chunk, slot.n_planned, slot.n_planned + len(chunk) == len(prompt))
-            slot.n_planned += len(chunk)
-            budget -= len(chunk)
+            self._plan_decode(plan, slot, drafts[slot.id], room)
+        self._plan_reading(plan, chained, room)
+        waiting = any(s.handle is not None and s.state in (SlotState.PROMPT, SlotState.RESUMING) for s in self.slots)
+        if not plan.entries and in_flight is None and waiting and self._preempt_youngest() is not None:
+            return self._plan(None)  # every reading slot waits for room that only a running one can give
         return plan
 
-    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None) -> None:
-        """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task)."""
-        if draft is not None:
-            plan.add_decode(slot, len(slot.cache), slot.last, draft)
+    @staticmethod
+    def _fed_position(e: Entry) -> int:
+        """Where the row fed from in-flight entry e goes."""
+        return len(e.slot.task.prompt) if e.prompt else len(e.slot.cache) + 1
 
-    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | None) -> None:
+    def _plan_reading(self, plan: Plan, chained: set[int], room: KVRoom) -> None:
+        """Prompt chunks (and preempted slots' tokens read again) share what is left of n_batch, but always get a
+        share so they never starve; oldest task first, each as far as the pool allows."""
+        budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
+        reading = sorted((s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
+                          and s.handle is not None and s.id not in chained), key=lambda s: s.t_start)
+        for slot in reading:
+            replay = slot.state == SlotState.RESUMING
+            tokens = slot.replay if replay else slot.task.prompt
+            start = slot.n_planned
+            if budget <= 0 or start >= len(tokens):
+                continue
+            want = min(budget, len(tokens) - start)
+            self._evict_idle(room, self.runner.ledger.need(slot.id, start, start + want))
+            n = room.grow(slot.id, start, 0, want)
+            if n == 0:
+                continue
+            plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
+            slot.n_planned += n
+            budget -= n
+
+    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
+        """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
+        the pool's room (the first row's blocks are taken already)."""
+        if draft is not None:
+            position = len(slot.cache)
+            draft = draft[:room.grow(slot.id, position, 1, 1 + len(draft)) - 1]
+            plan.add_decode(slot, position, slot.last, draft)
+
+    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | None, room: KVRoom) -> None:
         """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it (the draft
         continues slot.last; None: drafting failed the slot's task)."""
         slot = e.slot
+        position = self._fed_position(e)
         if e.prompt:  # the first generated token comes from the prompt's last logit row
-            plan.add_decode(slot, len(slot.task.prompt), 0, [], fed_row=e.last_logit_row)
+            plan.add_decode(slot, position, 0, [], fed_row=e.last_logit_row)
         elif draft is not None:
             guess, rest = (draft[0], draft[1:]) if draft else (None, [])
-            plan.add_decode(slot, len(slot.cache) + 1, 0, rest, fed_row=e.last_logit_row, guess=guess)
+            rest = rest[:room.grow(slot.id, position, 1, 1 + len(rest)) - 1]
+            plan.add_decode(slot, position, 0, rest, fed_row=e.last_logit_row, guess=guess)
 
     def _launch(self, plan: Plan) -> InFlight | None:
         if not plan.entries:

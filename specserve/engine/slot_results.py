@@ -61,7 +61,9 @@ class SlotResults:
             picked = tokens[span] if argmax_only and tokens is not None else None
             rows = logits[span] if logits is not None else None
             try:
-                if e.prompt:
+                if e.replay:
+                    self._after_replay_chunk(e)
+                elif e.prompt:
                     self._after_prompt_chunk(e, picked, rows)
                 else:
                     self._after_decode(e, picked, rows)
@@ -106,6 +108,15 @@ class SlotResults:
         if slot.use_chain:
             slot.chain.begin(task.prompt)  # type: ignore[union-attr]
         self._emit_tokens(slot, [slot.last], rows)
+
+    @staticmethod
+    def _after_replay_chunk(e: Entry) -> None:
+        """A preempted slot's tokens, read again: once all are back it generates on from its last token."""
+        slot = e.slot
+        slot.cache.extend(slot.replay[len(slot.cache):len(slot.cache) + e.n_rows])
+        if len(slot.cache) == len(slot.replay):
+            slot.state = SlotState.GENERATING
+            slot.replay = []
 
     def _after_decode(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
         slot = e.slot
@@ -207,7 +218,7 @@ class SlotResults:
         handle = slot.handle
         assert handle is not None and slot.stream is not None
         now = time.perf_counter()
-        prompt_done = slot.t_prompt_done if slot.state == SlotState.GENERATING else now
+        prompt_done = slot.t_prompt_done if slot.state in (SlotState.GENERATING, SlotState.RESUMING) else now
         if stop_type != "word":
             slot.stream.flush()
         text = slot.stream.take(final=True)

@@ -15,6 +15,7 @@ class SlotState(Enum):
     IDLE = "idle"
     PROMPT = "processing_prompt"
     GENERATING = "generating"
+    RESUMING = "resuming"  # preempted while generating: reading its tokens again (engine/kv_room.py)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Slot:
     n_past: int = 0  # prompt tokens in the cache
     n_planned: int = 0  # prompt tokens in launched steps (n_past once they are settled)
     n_cached: int = 0  # prompt tokens reused from the previous task
+    replay: list[int] = field(default_factory=list)  # RESUMING: the tokens it held when preempted
     last: int = -1  # newest sampled token: the next step of this slot evaluates it first
     n_decoded: int = 0
     n_steps: int = 0  # decode and verify steps settled
@@ -104,8 +106,9 @@ class SchedulerCounters:
     requests_processing: int = 0
     requests_deferred: int = 0
     n_tokens_max: int = 0
-    kv_tokens: int = 0  # KV positions held by the slots, idle ones' prompt caches too (set by counters_snapshot)
-    kv_capacity: int = 0  # positions all slots together can hold
+    kv_tokens: int = 0  # KV pool positions in use (whole blocks), idle slots' prompt caches too (counters_snapshot)
+    kv_capacity: int = 0  # positions of the pool
+    kv_preemptions: int = 0  # running slots that gave back their KV for others (engine/kv_room.py)
     requests_done: int = 0
     requests_failed: int = 0
     prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache (not in prompt_tokens)

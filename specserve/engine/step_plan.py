@@ -20,6 +20,7 @@ class Entry:
     logit_row: int  # where its rows' logits start among the step's logit rows
     prompt: bool  # a prompt chunk (else a decode or verify step)
     final: bool = False  # prompt: the last chunk (its one logit row gives the first token)
+    replay: bool = False  # prompt: tokens a preempted slot held, read again (no logits)
     draft: list[int] = field(default_factory=list)  # decode: the tokens of rows 1.., checked by rows 0..
     guess: int | None = None  # decode, fed with a draft: what the speculator took row 0's token to be
 
@@ -53,8 +54,9 @@ class Plan:
         self.batch.add_sequence([first, *draft], position, slot.id, "all")
         self._add(entry, fed_row)
 
-    def add_prompt(self, slot: Slot, chunk: list[int], start: int, final: bool) -> None:
-        entry = Entry(slot, slot.task.id, len(self.batch), len(chunk), self.n_logits, prompt=True, final=final)
+    def add_prompt(self, slot: Slot, chunk: list[int], start: int, final: bool, replay: bool = False) -> None:
+        entry = Entry(slot, slot.task.id, len(self.batch), len(chunk), self.n_logits, prompt=True, final=final,
+                      replay=replay)
         self.batch.add_sequence(chunk, start, slot.id, "last" if final else "none")
         self._add(entry, -1)
 

@@ -49,13 +49,13 @@ class ShardRunner(LocalRunner):
     cannot be captured, and NCCL's are not captured here yet)."""
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
-                 progress: bool = False):
+                 progress: bool = False, kv_size: int | None = None):
         config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
         self.layout = ShardLayout.plan(config, group.rank, group.world)
         self.group = group
         self.weight_format = "float"
         weights = load_shard(gguf, self.layout, dtype, group.device, progress)
-        self._setup(self.layout.local_config, weights, n_seqs, n_ctx, cuda_graphs=False)
+        self._setup(self.layout.local_config, weights, n_seqs, n_ctx, cuda_graphs=False, kv_size=kv_size)
         self.config = config  # the whole model's numbers (what /props shows); the shard's: layout.local_config
         self.gguf: GGUFFile | None = gguf
 
@@ -68,8 +68,8 @@ class TensorParallelRunner(ShardRunner):
     `weights` are rank 0's shard; each other rank holds about as much.)"""
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
-                 progress: bool = False):
-        super().__init__(gguf, group, n_seqs=n_seqs, n_ctx=n_ctx, dtype=dtype, progress=progress)
+                 progress: bool = False, kv_size: int | None = None):
+        super().__init__(gguf, group, n_seqs=n_seqs, n_ctx=n_ctx, dtype=dtype, progress=progress, kv_size=kv_size)
         self._lock = threading.Lock()  # the scheduler's thread sends commands; close() may come from another
         self._broken: str | None = None
         self._closed = False
@@ -155,8 +155,8 @@ class TensorParallelRunner(ShardRunner):
 
 
 def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1, n_ctx: int | None = None,
-                          device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                          progress: bool = True, weight_format: str = "auto",
+                          kv_size: int | None = None, device: str | torch.device | None = None,
+                          dtype: torch.dtype | None = None, progress: bool = True, weight_format: str = "auto",
                           **_: object) -> TensorParallelRunner:
     """Rank 0's runner of a model split over `world` ranks (the others started here, or by torchrun). Float
     weights only ("auto" is float here); the model is checked before any process starts."""
@@ -169,7 +169,8 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
     check_tensor_parallel(config, world, set(gguf.tensor_names()))
     dt = dtype or default_dtype(dev)
     spec = {"path": str(Path(model_path).resolve()), "n_seqs": n_seqs,
-            "n_ctx": int(n_ctx or min(config.context_length, 4096)), "dtype": str(dt).removeprefix("torch.")}
+            "n_ctx": int(n_ctx or min(config.context_length, 4096)), "kv_size": kv_size,
+            "dtype": str(dt).removeprefix("torch.")}
     t0 = time.monotonic()
     group = start_rank0(world, dev.type)
     log.info("tensor parallel: %d ranks joined in %.1f s", world, time.monotonic() - t0)
@@ -179,7 +180,7 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
         dist.broadcast_object_list([spec], 0, group=group.control)
         try:
             runner = TensorParallelRunner(gguf, group, n_seqs=n_seqs, n_ctx=spec["n_ctx"], dtype=dt,
-                                          progress=progress)
+                                          progress=progress, kv_size=kv_size)
         except Exception as exc:  # told to the followers below, so that they end too
             error = str(exc) if isinstance(exc, SpecserveError) else f"{type(exc).__name__}: {exc}"
         errors = _exchange_status(group, error)
@@ -213,7 +214,7 @@ def follow(group: RankGroup) -> int:
     error: str | None = None
     try:
         shard = ShardRunner(GGUFFile(spec["path"]), group, n_seqs=spec["n_seqs"], n_ctx=spec["n_ctx"],
-                            dtype=getattr(torch, spec["dtype"]))
+                            dtype=getattr(torch, spec["dtype"]), kv_size=spec["kv_size"])
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     if _exchange_status(group, error):

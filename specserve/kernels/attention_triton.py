@@ -1,10 +1,11 @@
-"""Triton attention over the slot-major KV cache, flash-decoding style.
+"""Triton attention over the paged KV cache (model/kv_cache.py), flash-decoding style.
 
 Every query row carries its own (sequence, position), so one launch serves any mix of
 decode rows and multi-token verify rows of many sequences, and the launch shape depends
 only on the row count: CUDA graphs can capture it. The context is cut into fixed splits;
 one program handles one (row, kv head, split) for all query heads of that kv head (GQA),
-and a second kernel merges the splits by their log-sum-exp.
+and a second kernel merges the splits by their log-sum-exp. Each key's slot comes from its sequence's
+block table row (a gather of BLOCK_N table entries per inner step, from cache).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ def split_len(ctx: int) -> int:
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, scale,
-                       stride_q_tok, stride_q_head, stride_c_seq, stride_c_head, stride_c_pos,
-                       N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
+                       stride_q_tok, stride_q_head, stride_c_slot, stride_c_head, stride_t,
+                       KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -41,7 +42,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, mid_o_ptr, mid_l
         g_mask = g < GROUP
         q = tl.load(q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
                     mask=g_mask[:, None], other=0.0)
-        base = seq * stride_c_seq + kv_head * stride_c_head
+        table = table_ptr + seq * stride_t
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -49,7 +50,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, mid_o_ptr, mid_l
         for i in range(0, SPLIT_LEN // BLOCK):
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
-            offs = base + n[:, None] * stride_c_pos + d[None, :]
+            block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+            slot = block * KV_BLOCK + n % KV_BLOCK
+            offs = slot[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
             k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -84,22 +87,23 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.co
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, H, D]; caches [n_seqs, Hkv, ctx, D] (one layer) -> out [N, H, D]."""
+              seq_ids: torch.Tensor, table: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """q [N, H, D]; caches [n_slots, Hkv, D] (one layer), table int32 [seqs, blocks a sequence] -> out [N, H, D]."""
     n_rows, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
-    split = split_len(k_cache.shape[2])
-    n_splits = triton.cdiv(k_cache.shape[2], split)
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    ctx = table.shape[1] * block_size  # the most positions a sequence can hold
+    split = split_len(ctx)
+    n_splits = triton.cdiv(ctx, split)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    assert table.stride(1) == 1
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
     _attn_split_kernel[(n_rows, n_kv, n_splits)](
-        q, k_cache, v_cache, seq_ids, positions, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+        KV_BLOCK=block_size, N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=split, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,

@@ -45,19 +45,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, summed
 
 
-def rope_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+def rope_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """q, k, v: [tokens, heads, dim] views with contiguous heads and one row stride (the columns of one [q | k | v]
-    product), caches [seqs, heads, ctx, dim] with contiguous positions, int64 positions and ids."""
+    product), caches [slots, heads, dim] with contiguous heads, int64 positions and slots."""
     dim, row = q.shape[-1], q.stride(0)
     views = all(t.stride(2) == 1 and t.stride(1) == dim and (t.stride(0) == row or t.shape[0] == 1) for t in (q, k, v))
-    caches = all(c.stride(3) == 1 and c.stride(2) == dim and c.stride() == k_cache.stride() for c in (k_cache, v_cache))
-    ids = positions.dtype == seq_ids.dtype == torch.int64 and positions.is_contiguous() and seq_ids.is_contiguous()
+    caches = all(c.stride(2) == 1 and c.stride(1) == dim and c.stride() == k_cache.stride() for c in (k_cache, v_cache))
+    ids = positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
     return views and caches and ids and takes(q, k, v, k_cache, v_cache)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    style: str) -> torch.Tensor:
     """rope.rope_and_cache_ref in one call (`rope_takes` first): the rotated q [tokens, heads, dim]."""
     tokens, n_heads, dim = q.shape
@@ -66,30 +66,32 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     row = q.stride(0) if tokens > 1 else 0  # a view's stride over one row is arbitrary, and unused
     build.library().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
                                    dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                   seq_ids.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                                    k_cache.stride(1), style == "neox", out.data_ptr())
     return out
 
 
 def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                    seq_ids: torch.Tensor) -> bool:
-    caches = all(c.stride(3) == 1 and c.stride(2) == c.shape[3] and c.stride() == k_cache.stride()
-                 for c in (k_cache, v_cache))
+                    seq_ids: torch.Tensor, table: torch.Tensor) -> bool:
+    caches = all(c.stride(2) == 1 and c.stride() == k_cache.stride() for c in (k_cache, v_cache))
     ids = positions.dtype == seq_ids.dtype == torch.int64 and positions.is_contiguous() and seq_ids.is_contiguous()
     heads = q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 256  # ops.c's per-group bound
-    return caches and ids and heads and q.shape[0] > 0 and takes(q, k_cache, v_cache)
+    blocks = table.dtype == torch.int32 and table.is_contiguous() and table.device.type == "cpu"
+    return caches and ids and heads and blocks and q.shape[0] > 0 and takes(q, k_cache, v_cache)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """attention.attention_ref in one call (`attention_takes` first): row t attends to its sequence's cache
-    positions 0..positions[t]."""
+              seq_ids: torch.Tensor, table: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """attention.attention_ref in one call (`attention_takes` first): row t attends to its sequence's
+    positions 0..positions[t], found through its row of the block table."""
+    assert block_size & (block_size - 1) == 0, "the C loops take blocks of a power of two"
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
     if build.library().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, k_cache.data_ptr(),
                                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), positions.data_ptr(),
-                                     seq_ids.data_ptr(), scale, out.data_ptr(), torch.get_num_threads()):
+                                     seq_ids.data_ptr(), table.data_ptr(), table.shape[1], block_size.bit_length() - 1,
+                                     scale, out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("CPU attention could not allocate its scores")
     return out
 

@@ -130,7 +130,7 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     norm (weight, eps): RMSNorm of the input rows first, when `norm_fusable` (rounded as rms_norm);
     add_to: a contiguous [.., N] tensor that the product is added to in place (a residual stream),
     which is returned; rope: W = [q | k | v] heads: returns q rotated [.., n_heads * head_dim], k (rotated)
-    and v go into the KV cache at the rows' (sequence, position), rounded as rope_and_cache rounds."""
+    and v go into the KV cache at the rows' pool slots, rounded as rope_and_cache rounds."""
     lead = x.shape[:-1]
     x2 = _flat_rows(x)
     n_out, k = w.shape
@@ -142,8 +142,8 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     assert not (swiglu_output or add_to is not None or rope is not None) or out_dtype == torch.bfloat16
     if rope is not None:
         assert not swiglu_output and add_to is None and n_out == (rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim
-        assert rope.head_dim % 16 == 0 and 2 * rope.cos.shape[-1] == rope.head_dim and rope.k_cache.stride(2) == \
-            rope.head_dim and rope.k_cache.stride(3) == 1 and rope.k_cache.stride() == rope.v_cache.stride()
+        assert rope.head_dim % 16 == 0 and 2 * rope.cos.shape[-1] == rope.head_dim and rope.k_cache.stride(1) == \
+            rope.head_dim and rope.k_cache.stride(2) == 1 and rope.k_cache.stride() == rope.v_cache.stride()
         n_out = rope.n_heads * rope.head_dim
     if swiglu_output:
         assert bias is None and add_to is None and n_out % 16 == 0

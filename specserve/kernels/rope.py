@@ -46,21 +46,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 
 def rope_and_cache_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-    positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+    positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
 ) -> torch.Tensor:
-    """Rotate q and k [tokens, heads, dim], store k and v at (seq, :, pos) of the caches; return rotated q.
+    """Rotate q and k [tokens, heads, dim], store k and v at each token's pool slot; return rotated q.
 
-    Caches are [n_seqs, n_kv_heads, ctx, head_dim] (one layer).
+    Caches are [n_slots, n_kv_heads, head_dim] (one layer of model/kv_cache.py's pool).
     """
     cos, sin = cos_table[positions], sin_table[positions]
-    k_cache[seq_ids, :, positions] = apply_rope(k, cos, sin, style)
-    v_cache[seq_ids, :, positions] = v
+    k_cache[slots] = apply_rope(k, cos, sin, style)
+    v_cache[slots] = v
     return apply_rope(q, cos, sin, style)
 
 
 def rope_and_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-    positions: torch.Tensor, seq_ids: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
+    positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
     head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """rope_and_cache_ref; head_norms (q weight, k weight, eps): each q and k head RMS-normalised first (in the
@@ -68,13 +68,13 @@ def rope_and_cache(
     if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1]:
         from specserve.kernels import rope_triton
 
-        return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids,
+        return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, slots,
                                           k_cache, v_cache, style, head_norms)
     if head_norms is not None:
         q, k = rms_norm(q, head_norms[0], head_norms[2]), rms_norm(k, head_norms[1], head_norms[2])
-    if cpu_ops.rope_takes(q, k, v, positions, seq_ids, k_cache, v_cache) and cos_table.dtype == torch.float32:
-        return cpu_ops.rope_and_cache(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
-    return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, seq_ids, k_cache, v_cache, style)
+    if cpu_ops.rope_takes(q, k, v, positions, slots, k_cache, v_cache) and cos_table.dtype == torch.float32:
+        return cpu_ops.rope_and_cache(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
+    return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
 
 
 @dataclass
@@ -84,8 +84,8 @@ class RopeWrite:
     cos: torch.Tensor  # fp32 [max positions, head_dim / 2] (rope_cos_sin, rotating the whole head)
     sin: torch.Tensor
     positions: torch.Tensor  # long [rows]
-    seq_ids: torch.Tensor  # long [rows]
-    k_cache: torch.Tensor  # one layer's [n_seqs, n_kv_heads, ctx, head_dim]
+    slots: torch.Tensor  # long [rows]: where each row's k and v go
+    k_cache: torch.Tensor  # one layer's [n_slots, n_kv_heads, head_dim]
     v_cache: torch.Tensor
     n_heads: int
     n_kv_heads: int
@@ -96,9 +96,9 @@ class RopeWrite:
         return self.k_cache.shape[-1]
 
     def rows(self, start: int, end: int) -> RopeWrite:
-        return dataclasses.replace(self, positions=self.positions[start:end], seq_ids=self.seq_ids[start:end])
+        return dataclasses.replace(self, positions=self.positions[start:end], slots=self.slots[start:end])
 
     def args(self) -> list:
         c = self.k_cache
-        return [self.positions, self.seq_ids, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
+        return [self.positions, self.slots, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
                 c.stride(0), c.stride(1)]

@@ -96,7 +96,7 @@ class ResidualStream:
 @dataclass
 class NormQKVRope:
     """RMSNorm -> [q | k | v] product (+ bias) -> RMSNorm of each q and k head (head_norms) -> RoPE, with k
-    and v written to one layer's KV cache [n_seqs, n_kv_heads, ctx, head_dim]; returns the rotated q
+    and v written to each row's slot of one layer's KV cache [n_slots, n_kv_heads, head_dim]; returns the rotated q
     [rows, n_heads, head_dim]. Fused, it is one tensor-core product (RoPE and the write in its epilogue)."""
 
     norm: torch.Tensor
@@ -117,11 +117,11 @@ class NormQKVRope:
                    and self.style in ("neox", "interleaved"))
         return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
 
-    def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor,
+    def __call__(self, stream: ResidualStream, positions: torch.Tensor, slots: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = stream.residual.shape[0]
         if stream.fused:
-            rope = RopeWrite(self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.n_heads, self.n_kv_heads,
+            rope = RopeWrite(self.cos, self.sin, positions, slots, k_cache, v_cache, self.n_heads, self.n_kv_heads,
                              self.style)
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
             return q.view(n, self.n_heads, self.head_dim)
@@ -131,7 +131,7 @@ class NormQKVRope:
         k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(n, self.n_kv_heads, self.head_dim)
         head_norms = (*self.head_norms, self.eps) if self.head_norms is not None else None
-        return rope_and_cache(q, k, v, self.cos, self.sin, positions, seq_ids, k_cache, v_cache, self.style,
+        return rope_and_cache(q, k, v, self.cos, self.sin, positions, slots, k_cache, v_cache, self.style,
                               head_norms)
 
 

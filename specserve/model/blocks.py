@@ -18,6 +18,7 @@ from specserve.kernels.attention import attention
 from specserve.kernels.rope import rope_cos_sin
 from specserve.kernels.step_ops import LinearAdd, NormFeedForwardAdd, NormLinear, NormQKVRope, ResidualStream, StepOp
 from specserve.model.config import ModelConfig
+from specserve.model.kv_cache import KVStep
 from specserve.model.weights import LayerWeights, ModelWeights
 
 Runs = list[tuple[int, int, int, int]]  # Batch.runs(): (seq, start_row, end_row, kv_len)
@@ -57,10 +58,10 @@ class AttentionBlock:
         return [self.qkv, self.out]
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor, runs: Runs,
-                 kv: torch.Tensor) -> None:
-        k_cache, v_cache = kv[self.layer_idx, 0], kv[self.layer_idx, 1]
-        q = self.qkv(stream, positions, seq_ids, k_cache, v_cache)
-        attn = attention(q, k_cache, v_cache, positions, seq_ids, runs, self.scale)
+                 kv: KVStep) -> None:
+        k_cache, v_cache = kv.layer(self.layer_idx)
+        q = self.qkv(stream, positions, kv.slots, k_cache, v_cache)
+        attn = attention(q, k_cache, v_cache, positions, seq_ids, kv.table, kv.block_size, runs, self.scale)
         self.out(stream, attn.view(q.shape[0], self.q_size))
 
 
@@ -96,7 +97,7 @@ class DecoderLayer:
         return self.attention.ops() + self.feed_forward.ops()
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor, runs: Runs,
-                 kv: torch.Tensor) -> None:
+                 kv: KVStep) -> None:
         self.attention(stream, positions, seq_ids, runs, kv)
         self.feed_forward(stream)
 

@@ -1,4 +1,4 @@
-"""The decoder-only transformer over a slot-major KV cache: embedding, the family's layers, output head."""
+"""The decoder-only transformer over a paged KV cache: embedding, the family's layers, output head."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from specserve.kernels.step_ops import ResidualStream, StepFusion
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
 from specserve.model.config import ModelConfig
+from specserve.model.kv_cache import KVStep
 from specserve.model.registry import family
 from specserve.model.weights import ModelWeights
 
@@ -24,7 +25,8 @@ class Transformer:
         self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
 
     def _stream(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                logit_rows: torch.Tensor | None, runs: Runs, kv: torch.Tensor) -> ResidualStream:
+                logit_rows: torch.Tensor | None, runs: Runs, kv: KVStep) -> ResidualStream:
+        kv.note_rows(positions, seq_ids)
         stream = self.input_stream(tokens)
         for layer in self.layers:
             layer(stream, positions, seq_ids, runs, kv)
@@ -38,16 +40,14 @@ class Transformer:
         seq_ids: torch.Tensor,
         logit_rows: torch.Tensor | None,
         runs: Runs,
-        kv: torch.Tensor,
+        kv: KVStep,
     ) -> torch.Tensor:
-        """Hidden states of `tokens` -> fp32 logits of `logit_rows` (None: all rows); writes K/V into `kv`.
-
-        kv: [n_layers, 2, n_seqs, n_kv_heads, ctx, head_dim]. `runs` comes from Batch.runs().
-        """
+        """Hidden states of `tokens` -> fp32 logits of `logit_rows` (None: all rows); writes K/V into each row's
+        slot of the pool (kv.slots). `runs` comes from Batch.runs() (the torch attention's host-side layout)."""
         return self.logits(self._stream(tokens, positions, seq_ids, logit_rows, runs, kv))
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-               logit_rows: torch.Tensor | None, runs: Runs, kv: torch.Tensor) -> torch.Tensor:
+               logit_rows: torch.Tensor | None, runs: Runs, kv: KVStep) -> torch.Tensor:
         """As forward, but the fp32 final hidden states of `logit_rows` (after the output norm): embeddings."""
         return self.head.normed(self._stream(tokens, positions, seq_ids, logit_rows, runs, kv)).float()
 

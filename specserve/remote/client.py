@@ -5,9 +5,10 @@ wanted rows' logits when the scheduler needs them (a sampling slot); on a unix s
 shared memory. Requests are sent at once and their replies read in order when needed, so the scheduler's
 step N + 1 is on its way before step N's result is read, and KV bookkeeping costs no round trip. A broken
 connection fails what was in flight with a clear error; the next call connects again and loads the model
-anew (the host's caches are gone, so every sequence starts empty). `timeout` bounds the host's silence: a host
-of minor >= 1 sends a keep-alive every second while it works, each of which restarts the wait, so a model
-load of minutes goes through and a stalled host is reported `timeout` seconds after its last sign of life.
+anew (the host's caches are gone, so every sequence starts empty). `timeout` bounds the host's silence: the host
+sends a keep-alive every second while it works, each of which restarts the wait, so a model load of minutes
+goes through and a stalled host is reported `timeout` seconds after its last sign of life. The front's KV ledger
+mirrors the host's (the same calls give the same block tables), so the scheduler plans within the host's pool.
 """
 
 from __future__ import annotations
@@ -30,10 +31,7 @@ from specserve.errors import NotSupported, SpecserveError
 from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
 from specserve.remote.protocol import (
-    BY_NAME,
     HANDSHAKE_TIMEOUT,
-    KEEPALIVE_MINOR,
-    LOAD_TIMEOUT,
     MAGIC,
     STEP_TIMEOUT,
     VERSION,
@@ -86,10 +84,10 @@ class RemoteRunner:
     """Runs `model` (a catalog name or a path on the host) on the host at `address`."""
 
     def __init__(self, address: str, model: str, *, n_seqs: int = 1, n_ctx: int | None = None,
-                 weight_format: str = "auto", device: str | None = None, token: str | None = None,
-                 timeout: float = STEP_TIMEOUT):
+                 kv_size: int | None = None, weight_format: str = "auto", device: str | None = None,
+                 token: str | None = None, timeout: float = STEP_TIMEOUT):
         self.address = address
-        self._load_args = (model, n_seqs, n_ctx or 0, weight_format, device or "")
+        self._load_args = (model, n_seqs, n_ctx or 0, kv_size or 0, weight_format, device or "")
         self._token = token or ""
         self.timeout = timeout
         self.device = torch.device("cpu")  # where this side's tensors (logits) are
@@ -119,9 +117,9 @@ class RemoteRunner:
             self._keepalive = False
             hello = self._call("hello", HANDSHAKE_TIMEOUT, magic=MAGIC, major=VERSION[0], minor=VERSION[1],
                                token=self._token)
-            self._keepalive = hello["minor"] >= KEEPALIVE_MINOR
-            model, n_seqs, n_ctx, weight_format, device = self._load_args
-            info = self._call("load", model=model, n_seqs=n_seqs, n_ctx=n_ctx,
+            self._keepalive = True
+            model, n_seqs, n_ctx, kv_size, weight_format, device = self._load_args
+            info = self._call("load", model=model, n_seqs=n_seqs, n_ctx=n_ctx, kv_size=kv_size,
                               weight_format=weight_format, device=device)
         except OSError as exc:
             self._drop()
@@ -141,8 +139,9 @@ class RemoteRunner:
         self.gguf = RemoteModelFile(Path(info["path"]), json.loads(info["metadata"]))
         self.config = SimpleNamespace(**json.loads(info["config"]))  # the host's ModelConfig, as values
         self.file_bytes = info["file_bytes"]
-        self.ledger = KVLedger(self.n_seqs, self.n_ctx, self.vocab_size)
+        self.ledger = KVLedger(self.n_seqs, self.n_ctx, self.vocab_size, info["kv_size"])
         self.seq_len = self.ledger.seq_len
+        self.kv_size = self.ledger.kv_size
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -230,9 +229,7 @@ class RemoteRunner:
         return fields
 
     def _call(self, name: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
-        rid = self._send(name, **fields)  # first: it may connect again, to a host of another minor
-        if timeout is None and BY_NAME[name].slow and not self._keepalive:
-            timeout = max(self.timeout, LOAD_TIMEOUT)  # a host of minor 0 is silent until it is done
+        rid = self._send(name, **fields)  # first: it may connect again
         return self._reply(rid, timeout)
 
     # -- the Runner protocol ---------------------------------------------------------------------

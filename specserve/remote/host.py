@@ -35,7 +35,6 @@ from specserve.remote.protocol import (
     BY_NAME,
     HANDSHAKE_TIMEOUT,
     KEEPALIVE_INTERVAL,
-    KEEPALIVE_MINOR,
     MAGIC,
     VERSION,
     Command,
@@ -53,9 +52,9 @@ from specserve.remote.protocol import (
 
 log = logging.getLogger(__name__)
 
-# (model, n_seqs, n_ctx, weight_format, device) -> a runner (engine.runner.Runner); raises ProtocolError
-# with the load status for what it refuses.
-LoadRunner = Callable[[str, int, int, str, str], Any]
+# (model, n_seqs, n_ctx, kv_size, weight_format, device) -> a runner (engine.runner.Runner); raises
+# ProtocolError with the load status for what it refuses.
+LoadRunner = Callable[[str, int, int, int, str, str], Any]
 
 
 class _SharedLogits:
@@ -195,8 +194,7 @@ class Connection:
         if f["minor"] != VERSION[1]:
             log.warning("front speaks protocol %d.%d, the host %d.%d", f["major"], f["minor"], *VERSION)
         self.out.send(encode_reply(cmd, rid, major=VERSION[0], minor=VERSION[1], host=socket.gethostname()))
-        if f["minor"] >= KEEPALIVE_MINOR:  # an older front would take a BUSY frame for its reply
-            self.out.start(self.keepalive)
+        self.out.start(self.keepalive)
         return True
 
     def _requests(self) -> None:
@@ -292,15 +290,16 @@ class Connection:
     def _load(self, cmd: Command, rid: int, f: dict[str, Any]) -> None:
         if self.runner is not None:
             raise ProtocolError(Status.ALREADY_LOADED, "a model is already loaded on this connection")
-        if not (1 <= f["n_seqs"] <= 4096 and 0 <= f["n_ctx"] <= 1 << 22):  # n_ctx 0: the model's default
-            raise ProtocolError(Status.BAD_REQUEST, "sequence count or context size out of range")
-        runner = self.load_runner(f["model"], f["n_seqs"], f["n_ctx"], f["weight_format"], f["device"])
+        # n_ctx 0: the model's default; kv_size 0: n_seqs * n_ctx
+        if not (1 <= f["n_seqs"] <= 4096 and 0 <= f["n_ctx"] <= 1 << 22 and 0 <= f["kv_size"] <= 1 << 26):
+            raise ProtocolError(Status.BAD_REQUEST, "sequence count, context size or KV size out of range")
+        runner = self.load_runner(f["model"], f["n_seqs"], f["n_ctx"], f["kv_size"], f["weight_format"], f["device"])
         gguf = runner.gguf
         metadata = json.dumps(gguf.metadata, default=_json_value).encode()
         self.runner = runner
         rows = runner.max_step_rows
         self._queue(encode_reply(
-            cmd, rid, n_seqs=runner.n_seqs, n_ctx=runner.n_ctx, vocab_size=runner.vocab_size,
+            cmd, rid, n_seqs=runner.n_seqs, n_ctx=runner.n_ctx, kv_size=runner.kv_size, vocab_size=runner.vocab_size,
             max_step_rows=-1 if rows is None else rows, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), weight_format=runner.weight_format,
             path=str(gguf.path), metadata=metadata, weights_bytes=runner.memory_info()["weights_bytes"],

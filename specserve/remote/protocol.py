@@ -5,9 +5,9 @@ command's fields in table order. A reply carries the same command and id, a u16 
 ok, the reply fields; otherwise a message. Both ends encode and decode through COMMANDS, so they cannot
 drift apart. While the host works on a request (a load, a warm-up, a long step), it sends a BUSY frame for
 that request's id every KEEPALIVE_INTERVAL, before the reply: the front's timeout then bounds the silence, not
-the command, so a slow host is told from a dead one. Only fronts whose hello names minor >= KEEPALIVE_MINOR
-get them. Every length, count, index, dtype and shape read is checked before use: a malformed frame is a
-ProtocolError (the host answers it with an error reply), never an out-of-bounds read.
+the command, so a slow host is told from a dead one. Every length, count, index, dtype and shape read is
+checked before use: a malformed frame is a ProtocolError (the host answers it with an error reply), never an
+out-of-bounds read.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x53505356  # "SPSV"
-VERSION = (1, 1)  # (major, minor): a major mismatch is refused, a minor one warned about
-KEEPALIVE_MINOR = 1  # the first minor whose fronts read BUSY frames (an older front would take one for a reply)
+VERSION = (2, 0)  # (major, minor): a major mismatch is refused, a minor one warned about (2: load's kv_size)
 MAX_FRAME = 1 << 30  # bytes of one payload (a model's tokenizer metadata or a step's logits fit)
 MAX_INTS = 1 << 20  # entries of one integer list
 MAX_STR = 1 << 26  # bytes of one string
@@ -31,7 +30,6 @@ MAX_DIMS = 4
 HANDSHAKE_TIMEOUT = 2.0
 STEP_TIMEOUT = 30.0  # default `--remote-timeout`: seconds without a reply or a keep-alive before the host is dead
 KEEPALIVE_INTERVAL = 1.0  # seconds between a working host's BUSY frames (a test host may send them faster)
-LOAD_TIMEOUT = 60.0  # a host of minor 0 sends no keep-alives: the most a slow command may then take, whole
 
 
 class Status(IntEnum):
@@ -63,16 +61,16 @@ class Command:
     name: str
     request: tuple[tuple[str, str], ...]  # (field, kind)
     reply: tuple[tuple[str, str], ...]
-    slow: bool = False  # may run for minutes (a model load, CUDA graph capture): see LOAD_TIMEOUT
+    slow: bool = False  # may run for minutes (a model load, CUDA graph capture): the host sends keep-alives
 
 
 # Kinds: u8, u32, i64, str, ints (i64 list), bytes, tensor (fp32 / i64 array, inline or in shared memory).
 COMMANDS = (
     Command(1, "hello", (("magic", "u32"), ("major", "u32"), ("minor", "u32"), ("token", "str")),
             (("major", "u32"), ("minor", "u32"), ("host", "str"))),
-    Command(2, "load", (("model", "str"), ("n_seqs", "u32"), ("n_ctx", "u32"), ("weight_format", "str"),
-                        ("device", "str")),
-            (("n_seqs", "u32"), ("n_ctx", "u32"), ("vocab_size", "u32"), ("max_step_rows", "i64"),
+    Command(2, "load", (("model", "str"), ("n_seqs", "u32"), ("n_ctx", "u32"), ("kv_size", "u32"),
+                        ("weight_format", "str"), ("device", "str")),
+            (("n_seqs", "u32"), ("n_ctx", "u32"), ("kv_size", "u32"), ("vocab_size", "u32"), ("max_step_rows", "i64"),
              ("device", "str"), ("dtype", "str"), ("weight_format", "str"), ("path", "str"),
              ("metadata", "bytes"), ("weights_bytes", "i64"), ("config", "bytes"), ("file_bytes", "i64")),
             slow=True),

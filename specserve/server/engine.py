@@ -42,7 +42,9 @@ _RESERVED_TEMPLATE_VARS = {"messages", "add_generation_prompt", "tools", "bos_to
 class ServerSettings:
     model: str | None = None  # catalog name or GGUF path; None = the default model
     model_draft: str | None = None
-    ctx_size: int | None = None  # total over all slots, as llama-server's -c; None = 4096 per slot at most
+    # -c: KV positions all slots share (a paged pool), each slot able to reach all of them; None: 4096 a slot at
+    # most (the model's training context if shorter), a pool of that times the slots
+    ctx_size: int | None = None
     n_parallel: int = 4
     n_batch: int = 512
     adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
@@ -64,14 +66,13 @@ class ServerSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
-    def slot_ctx(self) -> int | None:
+    def kv_size(self) -> int | None:
+        """The pool's positions (-c), which is also the most one slot may reach; None: the runner's default."""
         if self.ctx_size is None or self.ctx_size == 0:
             return None
-        n = self.ctx_size // self.n_parallel
-        if n < 16:
-            raise SpecserveError(f"context size {self.ctx_size} over {self.n_parallel} slots leaves {n} tokens "
-                                 "per slot; give a larger -c or fewer slots (-np)")
-        return n
+        if self.ctx_size < 16:
+            raise SpecserveError(f"context size {self.ctx_size} is too small; give -c 16 or more")
+        return self.ctx_size
 
 
 def check_settings(s: ServerSettings) -> None:
@@ -141,9 +142,9 @@ class Engine:
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
         check_settings(settings)
-        n_ctx = settings.slot_ctx()
+        kv_size = settings.kv_size()
         runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
-                                                     n_seqs=settings.n_parallel, n_ctx=n_ctx,
+                                                     n_seqs=settings.n_parallel, n_ctx=kv_size, kv_size=kv_size,
                                                device=settings.device, progress=progress,
                                                weight_format=settings.weight_format,
                                                tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)

@@ -58,9 +58,12 @@ class SchedulerCollector(Collector):
         yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
                     c.requests_deferred)
         yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
-        yield gauge("kv_cache_tokens", "KV cache positions in use (all slots).", c.kv_tokens)
-        yield gauge("kv_cache_usage_ratio", "KV cache positions in use / all positions.",
+        yield gauge("kv_cache_tokens", "KV pool positions in use, in whole blocks (a shared prefix counts once; "
+                    "idle slots' prompt caches too).", c.kv_tokens)
+        yield gauge("kv_cache_usage_ratio", "KV pool positions in use / all positions.",
                     c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
+        yield counter("kv_preemptions", "Running requests that gave back their KV for others and read their tokens "
+                      "again later (a full pool).", c.kv_preemptions)
         seen = c.prompt_tokens + c.prompt_tokens_cached
         yield gauge("prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache or another's shared "
                     "prefix) / all prompt tokens, since start.", c.prompt_tokens_cached / seen if seen else 0.0)

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from specserve.model.batch import Batch, common_prefix
+from specserve.model.kv_ledger import KVLedger
 from specserve.speculative.base import ProposeAsk, Speculator
 
 TOP_K = 10
@@ -23,6 +24,8 @@ class DraftRunner(Protocol):
     """What the draft speculator needs of the draft model's runner (engine.runner.Runner has it)."""
 
     n_ctx: int
+    seq_len: list[int]
+    ledger: KVLedger
 
     def forward(self, batch: Batch) -> torch.Tensor: ...
     def kv_truncate(self, seq: int, n_keep: int) -> None: ...
@@ -58,20 +61,25 @@ class DraftModelSpeculator(Speculator):
 def draft_together(requests: list[ProposeAsk]) -> list[list[int]]:
     """Each request's draft (speculator, history, last sampled, n_max), its draft-model speculators sharing one
     runner (a sequence each): the tokens new to their caches in one forward (each alone where that would pass
-    n_batch rows), then one forward per draft token for all that still draft."""
+    n_batch rows), then one forward per draft token for all that still draft. The draft runner's KV pool also
+    holds sequences that are not asking (idle slots'): short of room, their caches go first; still short, nobody
+    drafts this time."""
     drafts: list[list[int]] = [[] for _ in requests]
     live, spans = [], []
     for i, (spec, history, last, n_max) in enumerate(requests):
         context = [*history, last]
         if len(context) + n_max > spec.runner.n_ctx:
             continue
-        keep = min(common_prefix(spec.cached, context), len(context) - 1)  # always evaluate the newest token
+        # always evaluate the newest token; the cache may have been given up for room meanwhile
+        keep = min(common_prefix(spec.cached, context), len(context) - 1, spec.runner.seq_len[spec.seq])
         spec.runner.kv_truncate(spec.seq, keep)
-        spec.cached = context
+        spec.cached = context[:keep]
         live.append(i)
         spans.append((keep, context))
-    if not live:
+    if not live or not _room(requests, live, spans):
         return drafts
+    for i, (_, context) in zip(live, spans, strict=True):
+        requests[i][0].cached = context
     runner = requests[live[0]][0].runner
     if sum(len(c) - keep for keep, c in spans) <= requests[live[0]][0].n_batch:
         batch = Batch()
@@ -100,6 +108,25 @@ def draft_together(requests: list[ProposeAsk]) -> list[list[int]]:
         if live:
             logits = runner.forward(batch)
     return drafts
+
+
+def _room(requests: list[ProposeAsk], live: list[int], spans: list[tuple[int, list[int]]]) -> bool:
+    """Whether the draft runner's pool holds what these asks evaluate (their new tokens and drafts but the last),
+    after giving up the caches of the sequences not asking."""
+    runner = requests[live[0]][0].runner
+    ledger = runner.ledger
+    asking = {requests[i][0].seq for i in live}
+
+    def need() -> int:
+        return sum(ledger.need(requests[i][0].seq, keep, len(context) + requests[i][3] - 1)
+                   for i, (keep, context) in zip(live, spans, strict=True))
+
+    for seq in range(len(runner.seq_len)):
+        if need() <= ledger.free_blocks():
+            return True
+        if seq not in asking and runner.seq_len[seq] > 0:
+            runner.kv_truncate(seq, 0)
+    return need() <= ledger.free_blocks()
 
 
 DraftModelSpeculator.propose_together = staticmethod(draft_together)  # type: ignore[assignment]

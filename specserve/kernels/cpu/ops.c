@@ -50,18 +50,18 @@ static void rotate(const float* src, float* dst, const float* c, const float* s,
 }
 
 // For each of T tokens (rows of a [q | k | v] product, row_stride floats apart): q's heads rotated into q_out
-// [T, n_heads, dim]; k's rotated and v's copied into the caches at (seq_ids[t], head, positions[t]).
+// [T, n_heads, dim]; k's rotated and v's copied into the caches at (slots[t], head).
 void cpu_rope_cache(const float* q, const float* k, const float* v, int64_t row_stride, int T, int n_heads,
                     int n_kv_heads, int dim, int half, const float* cos_table, const float* sin_table,
-                    const int64_t* positions, const int64_t* seq_ids, float* k_cache, float* v_cache,
-                    int64_t seq_stride, int64_t head_stride, int neox, float* q_out) {
+                    const int64_t* positions, const int64_t* slots, float* k_cache, float* v_cache,
+                    int64_t slot_stride, int64_t head_stride, int neox, float* q_out) {
     for (int t = 0; t < T; ++t) {
         const int64_t pos = positions[t];
         const float* c = cos_table + pos * half;
         const float* s = sin_table + pos * half;
         for (int h = 0; h < n_heads; ++h)
             rotate(q + t * row_stride + h * dim, q_out + ((int64_t)t * n_heads + h) * dim, c, s, dim, half, neox);
-        const int64_t base = seq_ids[t] * seq_stride + pos * dim;
+        const int64_t base = slots[t] * slot_stride;
         for (int h = 0; h < n_kv_heads; ++h) {
             rotate(k + t * row_stride + h * dim, k_cache + base + h * head_stride, c, s, dim, half, neox);
             const float* vs = v + t * row_stride + h * dim;
@@ -77,9 +77,10 @@ typedef struct {
     const float* v_cache;
     const int64_t* positions;
     const int64_t* seq_ids;
+    const int32_t* table;  // [seqs, table_width]: pool block of each of a sequence's blocks
     float* out;
-    int n_heads, n_kv_heads, dim;
-    int64_t seq_stride, head_stride;
+    int n_heads, n_kv_heads, dim, table_width, block_shift;  // a block holds 1 << block_shift positions
+    int64_t slot_stride, head_stride;
     float scale;
     int failed;  // a thread could not allocate its scores
 } attention_job;
@@ -88,7 +89,8 @@ static __thread float* score_buf = NULL;
 static __thread int64_t score_size = 0;
 
 // Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
-// sequence's positions 0..position, times v. The group's heads share each load of a key and a value row (the
+// sequence's positions 0..position, times v. Position j's row is at slot table[seq][j >> shift] << shift | j's
+// offset in its block: the loops walk a block's rows at a time. The group's heads share each load of a key and a value row (the
 // cache is read once per kv head, not once per q head).
 // DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
 static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
@@ -109,17 +111,21 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
             score_size = (int64_t)group * (len + 1024);
         }
         const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
-        const int64_t kv = a->seq_ids[t] * a->seq_stride + (int64_t)kvh * a->head_stride;
-        const float* kb = a->k_cache + kv;
-        const float* vb = a->v_cache + kv;
-        for (int j = 0; j < len; ++j) {
-            for (int g = 0; g < group; ++g) {
-                vf d = v_zero();
-                for (int i = 0; i < dim; i += VL) {
-                    const vf kj = v_load_n(kb + (int64_t)j * dim + i, dim - i);
-                    d = v_fmadd(v_load_n(q + g * dim + i, dim - i), kj, d);
+        const int32_t* blocks = a->table + a->seq_ids[t] * a->table_width;
+        const int bsize = 1 << a->block_shift;
+        const int64_t head = (int64_t)kvh * a->head_stride;
+        for (int j0 = 0; j0 < len; j0 += bsize) {
+            const float* kb = a->k_cache + ((int64_t)blocks[j0 >> a->block_shift] << a->block_shift) * a->slot_stride + head;
+            const int jn = len - j0 < bsize ? len - j0 : bsize;
+            for (int j = 0; j < jn; ++j) {
+                for (int g = 0; g < group; ++g) {
+                    vf d = v_zero();
+                    for (int i = 0; i < dim; i += VL) {
+                        const vf kj = v_load_n(kb + (int64_t)j * a->slot_stride + i, dim - i);
+                        d = v_fmadd(v_load_n(q + g * dim + i, dim - i), kj, d);
+                    }
+                    score_buf[(int64_t)g * len + j0 + j] = v_reduce_add(d) * a->scale;
                 }
-                score_buf[(int64_t)g * len + j] = v_reduce_add(d) * a->scale;
             }
         }
         for (int g = 0; g < group; ++g) {
@@ -141,10 +147,15 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
             for (int g0 = 0; g0 < group; g0 += 8) {  // up to 8 heads' accumulators at a time stay in registers
                 const int gn = group - g0 < 8 ? group - g0 : 8;
                 for (int g = 0; g < gn; ++g) acc[g] = v_zero();
-                for (int j = 0; j < len; ++j) {
-                    const vf vj = v_load_n(vb + (int64_t)j * dim + i, dim - i);
-                    for (int g = 0; g < gn; ++g)
-                        acc[g] = v_fmadd(v_set1(score_buf[(int64_t)(g0 + g) * len + j]), vj, acc[g]);
+                for (int j0 = 0; j0 < len; j0 += bsize) {
+                    const float* vb =
+                        a->v_cache + ((int64_t)blocks[j0 >> a->block_shift] << a->block_shift) * a->slot_stride + head;
+                    const int jn = len - j0 < bsize ? len - j0 : bsize;
+                    for (int j = 0; j < jn; ++j) {
+                        const vf vj = v_load_n(vb + (int64_t)j * a->slot_stride + i, dim - i);
+                        for (int g = 0; g < gn; ++g)
+                            acc[g] = v_fmadd(v_set1(score_buf[(int64_t)(g0 + g) * len + j0 + j]), vj, acc[g]);
+                    }
                 }
                 for (int g = 0; g < gn; ++g)
                     v_store_n(o + (int64_t)(g0 + g) * dim + i, dim - i, v_mul(acc[g], v_set1(inv[g0 + g])));
@@ -163,15 +174,18 @@ static void attention_items(void* p, int start, int end) {
         attention_range(a, start, end, 0);
 }
 
-// out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the caches [seqs, kv heads, ctx, dim]:
-// token t reads sequence seq_ids[t] at positions 0..positions[t]; q head h reads kv head h / (n_heads / n_kv_heads).
-// Returns 0, or -1 when scratch for the scores could not be allocated (out is then incomplete).
+// out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the paged caches [slots, kv heads, dim]:
+// token t reads sequence seq_ids[t] at positions 0..positions[t] through its row of the block table; q head h reads
+// kv head h / (n_heads / n_kv_heads). Returns 0, or -1 when scratch for the scores could not be allocated (out is
+// then incomplete).
 int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, const float* k_cache,
-                  const float* v_cache, int64_t seq_stride, int64_t head_stride, const int64_t* positions,
-                  const int64_t* seq_ids, float scale, float* out, int threads) {
+                  const float* v_cache, int64_t slot_stride, int64_t head_stride, const int64_t* positions,
+                  const int64_t* seq_ids, const int32_t* table, int table_width, int block_shift, float scale,
+                  float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
-    attention_job a = {q,   k_cache,    v_cache,     positions, seq_ids, out, n_heads, n_kv_heads,
-                       dim, seq_stride, head_stride, scale,     0};
+    attention_job a = {q,       k_cache,    v_cache,    positions,   seq_ids,    table,       out,
+                       n_heads, n_kv_heads, dim,        table_width, block_shift, slot_stride, head_stride,
+                       scale,   0};
     // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
     const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;
     pool_run(work < (1 << 18) ? 1 : threads, T * n_kv_heads, 1, attention_items, &a);

@@ -1,0 +1,125 @@
+"""Planning a step within the paged KV pool.
+
+A step's rows take free blocks as the plan adds them (`KVRoom`): first one row for every generating slot (they
+hold KV, and only their progress gives it back), then drafts and prompt chunks from what is left. Short of
+blocks, the scheduler gives up idle slots' prompt caches first, least recently used first; if a generating slot
+still finds no room, running slots are preempted, youngest first (vLLM's recompute policy): a preempted slot
+gives back its KV and, when room returns, reads its tokens again (`SlotState.RESUMING`) and goes on where it
+stopped. Its client only sees a pause. Preemption happens only while no step is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from specserve.engine.draft_gate import DRAFT_ROWS, MIN_DRAFT
+from specserve.engine.runner import Runner
+from specserve.engine.slots import SchedulerCounters, Slot, SlotState
+from specserve.model.batch import common_prefix
+from specserve.model.kv_ledger import KVLedger
+
+MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
+
+
+def most_blocks(n_batch: int, n_slots: int, block_size: int) -> int:
+    """More blocks than any step can take: at most n_batch prompt rows, a row and a draft of draft_cap per slot
+    (DRAFT_ROWS in all, or MIN_DRAFT each) and a guess, and per slot's run two blocks past its rows' own (a
+    start mid-block, and a copy of a shared one)."""
+    rows = n_batch + max(DRAFT_ROWS, MIN_DRAFT * n_slots) + 2 * n_slots
+    return rows // block_size + 2 * n_slots + 2
+
+
+class KVRoom:
+    """The free blocks left to the step being planned. With more free than any step takes (`most_blocks`), the
+    rows are not counted: the step path pays for the pool's accounting only when it is nearly full."""
+
+    def __init__(self, ledger: KVLedger, most: int):
+        self.ledger = ledger
+        self.free = ledger.free_blocks()
+        self.plenty = self.free >= most
+
+    def grow(self, seq: int, start: int, have: int, want: int) -> int:
+        """A sequence's rows from position `start` on, `have` of them already taken: how many of `want` fit
+        (taking their blocks)."""
+        if self.plenty:
+            return want
+        base = self.ledger.need(seq, start, start + have)
+        n = min(want, self.ledger.blocks.positions_within(seq, start, self.free + base))
+        self.free -= self.ledger.need(seq, start, start + n) - base
+        return n
+
+    def take(self, seq: int, start: int, end: int) -> bool:
+        return self.grow(seq, start, 0, end - start) == end - start
+
+
+class SlotMemory:
+    """What the Scheduler does when the pool is short (it provides these attributes)."""
+
+    runner: Runner
+    slots: list[Slot]
+    counters: SchedulerCounters
+    _cond: threading.Condition
+
+    def _evict_idle(self, room: KVRoom, need: int) -> None:
+        """Give up idle slots' caches, least recently used first, until `need` blocks are free."""
+        if room.plenty:
+            return
+        ledger = self.runner.ledger
+        blocks = ledger.blocks
+        for slot in sorted((s for s in self.slots if s.handle is None and blocks.held_alone(s.id)),
+                           key=lambda s: s.last_used):
+            if room.free >= need:
+                return
+            before = ledger.free_blocks()
+            self.runner.kv_truncate(slot.id, 0)
+            slot.cache = []
+            room.free += ledger.free_blocks() - before
+
+    def _reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
+        """One row at `position` for each slot; the slots that found no room (after idle caches went)."""
+        if room.plenty:
+            return []
+        starved = []
+        for slot, position in rows:
+            if not room.take(slot.id, position, position + 1):
+                self._evict_idle(room, self.runner.ledger.need(slot.id, position, position + 1))
+                if not room.take(slot.id, position, position + 1):
+                    starved.append(slot)
+        return starved
+
+    def _preempt_youngest(self) -> Slot | None:
+        """Preempt the most recently started running slot that holds KV (None: no slot does)."""
+        holding = [s for s in self.slots if s.handle is not None and self.runner.seq_len[s.id] > 0]
+        if not holding:
+            return None
+        victim = max(holding, key=lambda s: s.t_start)
+        self._preempt(victim)
+        return victim
+
+    def _preempt(self, slot: Slot) -> None:
+        """Give back a running slot's KV; it reads what it held again when room returns."""
+        if slot.state == SlotState.GENERATING:
+            slot.replay = slot.cache
+            slot.state = SlotState.RESUMING
+        elif slot.state == SlotState.PROMPT:
+            slot.n_past = slot.n_cached = 0
+        slot.n_planned = 0
+        slot.cache = []
+        self.runner.kv_truncate(slot.id, 0)
+        with self._cond:
+            self.counters.kv_preemptions += 1
+
+    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Where another slot's cache holds more of the prompt than this slot's own (a shared system prompt), take
+        that sequence's blocks (kv_copy: held once, copied on write) instead of evaluating the prefix again; the
+        caller truncates to the returned length. Only settled positions count (slot.cache), so a step in flight on
+        the other slot cannot matter."""
+        held, best = max(((common_prefix(s.cache, prompt), s) for s in self.slots if s is not slot),
+                         key=lambda pair: pair[0], default=(0, slot))
+        shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
+        if shared < keep + MIN_SHARED_PREFIX:
+            return keep
+        self.runner.kv_copy(best.id, slot.id)
+        with self._cond:
+            self.counters.prompt_tokens_shared += shared - keep
+        return shared

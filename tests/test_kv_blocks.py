@@ -1,0 +1,132 @@
+"""The paged KV pool's bookkeeping (model/kv_blocks.py, model/kv_ledger.py) against a plain model of what each
+sequence holds: random writes, truncations and prefix shares, with every write's values stored at the slots the
+table gives, must read back as the sequence's own history; blocks are neither lost nor handed out twice; need()
+counts what a write takes and positions_within() is the longest write that fits."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve.errors import SpecserveError
+from specserve.model.batch import Batch
+from specserve.model.kv_blocks import BlockTable
+from specserve.model.kv_ledger import KVCacheFull, KVLedger
+
+N_SEQS, N_BLOCKS, B = 3, 12, 4
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(0, N_SEQS - 1), st.integers(0, 1000), st.integers(1, 20)),
+    st.tuples(st.just("truncate"), st.integers(0, N_SEQS - 1), st.integers(0, 1000)),
+    st.tuples(st.just("share"), st.integers(0, N_SEQS - 1), st.integers(0, N_SEQS - 1), st.integers(0, 1000)),
+), max_size=60)
+
+
+class Pool:
+    """A pool of values per slot, written through the table as a runner writes K/V."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, int] = {}
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            for i in range(B):
+                if src * B + i in self.slots:
+                    self.slots[dst * B + i] = self.slots[src * B + i]
+
+
+def check_invariants(t: BlockTable) -> None:
+    held = [b for table in t.tables for b in table]
+    assert t.used == len(set(held))  # every block in a table is out of the free list, and no other
+    for b in set(held):
+        assert t.refs[b] == held.count(b)
+    assert sorted(t._free) == sorted(set(range(N_BLOCKS)) - set(held))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_tables_follow_the_sequences(steps: list[tuple]) -> None:
+    t, pool = BlockTable(N_SEQS, N_BLOCKS, B), Pool()
+    history: list[list[int]] = [[] for _ in range(N_SEQS)]  # what each sequence holds, position by position
+    stamp = 0
+    for op in steps:
+        if op[0] == "write":
+            _, seq, start, n = op
+            start = start % (len(history[seq]) + 1)
+            need = t.need(seq, start, start + n)
+            fits = t.positions_within(seq, start, t.free)
+            assert (need <= t.free) == (fits >= n)
+            if need > t.free:
+                continue
+            free_before = t.free
+            pool.copy(t.write(seq, start, start + n))
+            assert free_before - t.free <= need  # (a write that shortens the sequence also gives blocks back)
+            values = list(range(stamp, stamp + n))
+            stamp += n
+            for p, value in zip(range(start, start + n), values, strict=True):
+                pool.slots[t.slot(seq, p)] = value
+            history[seq] = history[seq][:start] + values
+        elif op[0] == "truncate":
+            _, seq, n = op
+            n = n % (len(history[seq]) + 1)
+            t.truncate(seq, n)
+            history[seq] = history[seq][:n]
+        else:
+            _, src, dst, n = op
+            t.share(src, dst)
+            history[dst] = list(history[src])
+            n = n % (len(history[dst]) + 1)
+            t.truncate(dst, n)
+            history[dst] = history[dst][:n]
+        check_invariants(t)
+        for seq in range(N_SEQS):
+            assert len(t.tables[seq]) == -(-len(history[seq]) // B)
+            assert [pool.slots[t.slot(seq, p)] for p in range(len(history[seq]))] == history[seq]
+
+
+def test_positions_within_is_the_longest_write_that_fits() -> None:
+    t = BlockTable(2, 6, 4)
+    t.write(0, 0, 10)  # blocks 0, 1, 2 (two positions of the last used)
+    t.share(0, 1)
+    for blocks in range(4):
+        fits = t.positions_within(1, 10, blocks)
+        assert t.need(1, 10, 10 + fits) <= blocks < t.need(1, 10, 11 + fits)
+    assert t.positions_within(1, 10, 0) == 0  # the shared last block must be copied first
+    assert t.positions_within(1, 12, 0) == 0 and t.positions_within(1, 12, 1) == 4
+    assert t.positions_within(0, 4, 0) == 0  # block 1 is shared too
+
+
+def test_ledger_refuses_a_step_the_pool_cannot_hold_and_changes_nothing() -> None:
+    ledger = KVLedger(n_seqs=2, n_ctx=64, vocab_size=100, kv_size=32, block_size=16)  # two blocks in all
+    batch = Batch()
+    batch.add_sequence(list(range(20)), 0, 0, "last")
+    admitted = ledger.admit(batch, None)
+    assert admitted.slots == [ledger.blocks.slot(0, p) for p in range(20)] and ledger.free_blocks() == 0
+    more = Batch()
+    more.add_sequence([1, 2], 0, 1, "last")
+    with pytest.raises(KVCacheFull, match="KV cache is full"):
+        ledger.admit(more, None)
+    assert ledger.seq_len == [20, 0] and ledger.free_blocks() == 0
+    ledger.truncate(0, 16)  # gives the second block back
+    assert ledger.free_blocks() == 1
+    ledger.admit(more, None)
+    with pytest.raises(SpecserveError, match="context size"):  # a sequence's own limit still holds
+        big = Batch()
+        big.add_sequence(list(range(65)), 0, 1, "last")
+        ledger.admit(big, None)
+
+
+def test_a_shared_prefix_is_held_once_and_copied_on_write() -> None:
+    ledger = KVLedger(n_seqs=2, n_ctx=64, vocab_size=100, kv_size=64, block_size=16)
+    batch = Batch()
+    batch.add_sequence(list(range(40)), 0, 0, "last")
+    ledger.admit(batch, None)
+    ledger.copy(0, 1)
+    ledger.truncate(1, 36)
+    assert ledger.free_blocks() == 1  # three blocks, held by both sequences
+    step = Batch()
+    step.add_sequence([7], 36, 1, "last")  # into the shared third block: sequence 1 gets its own copy of it
+    admitted = ledger.admit(step, None)
+    assert admitted.copies == [(ledger.blocks.tables[0][2], ledger.blocks.tables[1][2])]
+    assert ledger.blocks.tables[0][:2] == ledger.blocks.tables[1][:2] and ledger.free_blocks() == 0

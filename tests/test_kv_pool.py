@@ -1,0 +1,115 @@
+"""KV memory that follows use (engine/kv_room.py over the paged pool): slots share one pool, a slot may use
+more of it than an even share, a shared prompt prefix is held once, and a pool too small for every running
+request at once preempts the youngest, which reads its tokens again and ends with the text it would have
+written alone (greedy, on the CPU whose rows do not depend on their batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve.engine.local_runner import LocalRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.slots import SlotState
+from specserve.engine.tasks import Result
+from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.batch import Batch
+from specserve.speculative.base import SpecParams
+from specserve.speculative.factory import build_chain
+from tests.helpers import running_scheduler, submit, wait
+
+PROMPTS = ["The capital of France is", "Here is a long list of fruits: apple, banana, cherry, date, elderberry,",
+           "def fibonacci(n):\n    "]
+
+
+@pytest.fixture(scope="module")
+def small_pool(smollm_path: Path) -> LocalRunner:
+    """Three slots over 192 positions (12 blocks): less than the three requests below hold at once."""
+    return LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(small_pool: LocalRunner) -> Tokenizer:
+    return Tokenizer.from_gguf(small_pool.gguf)
+
+
+def test_a_full_pool_preempts_the_youngest_and_its_text_is_unchanged(small_pool: LocalRunner,
+                                                                   tokenizer: Tokenizer) -> None:
+    with running_scheduler(small_pool, tokenizer) as sched:
+        plain = SpecParams(n_max=0)
+        alone = [wait(submit(sched, tokenizer, p, n_predict=70, spec=plain)[1]) for p in PROMPTS]
+        assert all(isinstance(r, Result) and r.n_predicted == 70 for _, r in alone)
+        before = sched.counters_snapshot().kv_preemptions
+        pending = [submit(sched, tokenizer, p, n_predict=70, spec=plain) for p in PROMPTS]
+        together = [wait(events) for _, events in pending]
+        assert sched.counters_snapshot().kv_preemptions > before
+        assert [t for t, _ in together] == [t for t, _ in alone]
+        # with speculation too: drafts are cut to the room left, and rejected positions give their blocks back
+        spec = SpecParams(type="ngram-simple", n_max=8, ngram_size_n=2)
+        drafted = [wait(events) for _, events in [submit(sched, tokenizer, p, n_predict=70, spec=spec)
+                                                   for p in PROMPTS]]
+        assert [t for t, _ in drafted] == [t for t, _ in alone]
+    assert all(s.state == SlotState.IDLE for s in sched.slots)
+
+
+def test_one_slot_may_use_the_pool_beyond_an_even_share(small_pool: LocalRunner, tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("one two three four five six seven eight nine ten " * 12)
+    assert 64 < len(prompt) < 180  # more than 192 / 3 positions
+    with running_scheduler(small_pool, tokenizer) as sched:
+        text, result = wait(submit(sched, tokenizer, tokenizer.decode(prompt), n_predict=8)[1])
+    assert isinstance(result, Result) and result.n_predicted == 8 and text
+
+
+def test_a_shared_prefix_is_held_once(smollm_path: Path) -> None:
+    """A request whose system prompt another (busy) slot holds takes that slot's blocks instead of copying them."""
+    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=512, device="cpu", progress=False)
+    tokenizer = Tokenizer.from_gguf(runner.gguf)
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    with running_scheduler(runner, tokenizer, n_batch=512) as sched:
+        _, first = submit(sched, tokenizer, system + "Question one?", n_predict=40)
+        chunk = first.get(timeout=120)  # the first slot is generating: the second request goes to the other
+        _, second = submit(sched, tokenizer, system + "Another question, two?", n_predict=2)
+        results = [wait(second)[1], wait(first)[1]]
+    assert chunk and all(isinstance(r, Result) for r in results)
+    shared = len(tokenizer.encode(system)) // 16 - 1  # whole blocks of the system prompt
+    assert sched.counters_snapshot().prompt_tokens_shared >= 16 * shared
+    tables = runner.ledger.blocks.tables
+    assert tables[0][:shared] == tables[1][:shared] and runner.ledger.blocks.refs[tables[0][0]] == 2
+
+
+def test_a_draft_model_gives_up_idle_caches_for_room(smollm_path: Path) -> None:
+    target = LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cpu", progress=False)
+    draft = LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cpu", progress=False)
+    tokenizer = Tokenizer.from_gguf(target.gguf)
+    sched = Scheduler(target, tokenizer, n_batch=64, chain_factory=lambda s, slot: build_chain(s, draft, seq=slot),
+                      adaptive_drafts=False)
+    sched.start()
+    try:
+        spec = SpecParams(type="draft", n_max=4, p_min=0.0)
+        plain = SpecParams(n_max=0)
+        alone = [wait(submit(sched, tokenizer, p, n_predict=60, spec=plain)[1])[0] for p in PROMPTS]
+        pending = [submit(sched, tokenizer, p, n_predict=60, spec=spec) for p in PROMPTS]
+        assert [wait(events)[0] for _, events in pending] == alone
+    finally:
+        sched.shutdown()
+
+
+def test_slot_files_and_embeddings_round_trip_through_scattered_blocks(small_pool: LocalRunner) -> None:
+    """kv_read / kv_write gather and scatter a sequence's rows through its table."""
+    for seq in range(3):
+        small_pool.kv_truncate(seq, 0)
+    for seq, n in ((0, 20), (1, 40), (0, 50)):  # sequence 0 grows after 1 took blocks: its blocks interleave
+        start = small_pool.seq_len[seq]
+        batch = Batch()
+        batch.add_sequence([(7 * i + seq) % 500 for i in range(start, n)], start, seq, "last")
+        small_pool.forward(batch)
+    saved = small_pool.kv_read(0)
+    assert saved.shape[3] == 50
+    small_pool.kv_write(2, saved)
+    assert small_pool.seq_len[2] == 50 and (small_pool.kv_read(2) == saved).all()
+    step = Batch()
+    step.add(11, 50, 0, logits=True)
+    step.add(11, 50, 2, logits=True)
+    logits = small_pool.forward(step)
+    assert (logits[0] == logits[1]).all()  # the restored copy attends to the same keys and values
