@@ -1,7 +1,8 @@
 """Planning a step within the paged KV pool.
 
 A step's rows take free blocks as the plan adds them (`KVRoom`): first one row for every generating slot (they
-hold KV, and only their progress gives it back), then drafts and prompt chunks from what is left. Short of
+hold KV, and only their progress gives it back), then drafts and prompt chunks from what is left (a new prompt
+only where all of it fits: the scheduler's `_plan_reading`). Short of
 blocks, the scheduler gives up idle slots' prompt caches first, least recently used first; if a generating slot
 still finds no room, running slots are preempted, youngest first (vLLM's recompute policy): a preempted slot
 gives back its KV and, when room returns, reads its tokens again (`SlotState.RESUMING`) and goes on where it
@@ -61,19 +62,21 @@ class SlotMemory:
     _cond: threading.Condition
 
     def _evict_idle(self, room: KVRoom, need: int) -> None:
-        """Give up idle slots' caches, least recently used first, until `need` blocks are free."""
-        if room.plenty:
+        """Give up idle slots' caches, least recently used first, until `need` blocks are free (a cache whose
+        blocks running slots hold too frees nothing, and is kept)."""
+        if room.plenty or room.free >= need:
             return
         ledger = self.runner.ledger
-        blocks = ledger.blocks
-        for slot in sorted((s for s in self.slots if s.handle is None and blocks.held_alone(s.id)),
+        tables = ledger.blocks.tables
+        busy = {b for s in self.slots if s.handle is not None for b in tables[s.id]}
+        for slot in sorted((s for s in self.slots if s.handle is None and not busy.issuperset(tables[s.id])),
                            key=lambda s: s.last_used):
-            if room.free >= need:
-                return
             before = ledger.free_blocks()
             self.runner.kv_truncate(slot.id, 0)
             slot.cache = []
             room.free += ledger.free_blocks() - before
+            if room.free >= need:
+                return
 
     def _reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""

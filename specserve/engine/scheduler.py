@@ -348,6 +348,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
         reading = sorted((s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
                           and s.handle is not None and s.id not in chained), key=lambda s: s.t_start)
+        generating = sum(s.state == SlotState.GENERATING for s in self.slots)
+        waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         for slot in reading:
             replay = slot.state == SlotState.RESUMING
             tokens = slot.replay if replay else slot.task.prompt
@@ -355,7 +357,16 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             if budget <= 0 or start >= len(tokens):
                 continue
             want = min(budget, len(tokens) - start)
-            self._evict_idle(room, self.runner.ledger.need(slot.id, start, start + want))
+            ledger = self.runner.ledger
+            if not room.plenty and not replay and start == slot.n_cached:
+                # A prompt starts only where all of it fits beside a block for each generating slot: one that
+                # could not finish would be preempted again and again (its chunks read in vain).
+                whole = ledger.need(slot.id, start, len(tokens)) + generating
+                self._evict_idle(room, whole)
+                waiting = waiting or room.free < whole
+                if waiting:
+                    continue
+            self._evict_idle(room, ledger.need(slot.id, start, start + want))
             n = room.grow(slot.id, start, 0, want)
             if n == 0:
                 continue
