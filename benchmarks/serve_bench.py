@@ -10,8 +10,11 @@ also works against llama-server. Speculation is switched per request: mode `none
 `speculative.n_max = 0`, any other mode sends `speculative.type = MODE`.
 
 Prompt mixes (--mix): `workload` (the prompts as they are, cache_prompt off), `shared-system` (a ~1,000-token
-system prompt before every workload message, cache_prompt on: what prefix sharing saves) and `long` (user
-messages of ~2k, 4k and 8k tokens; the started server gets slots of 8k + n_predict positions).
+system prompt before every workload message, cache_prompt on: what prefix sharing saves), `tenants` (as
+shared-system, but each conversation of the workload has a system prompt of its own, one of 8: what the
+server's prompt cache keeps once there are more prefixes than slots) and `long` (user messages of ~2k, 4k and
+8k tokens; the started server gets slots of 8k + n_predict positions). The `hit` column is the share of prompt
+tokens the server took from its cache during the level (/metrics, specserve's counters).
 
 Reports aggregate generated tokens/s (all clients, wall clock), time to first token and
 inter-token latency (p50, p99; a chunk of k tokens counts as k gaps of 1/k of its delay),
@@ -62,6 +65,7 @@ class LevelResult:
     draft_accepted: int
     drafting_turns: float | None = None  # share of the server's multi-slot turns the draft gate let draft
     kv_tokens_peak: int | None = None  # most KV positions in use (all slots) while the level ran
+    prompt_hit: float | None = None  # prompt tokens the server took from its cache / all, during the level
     rounds_tokens_per_s: list[float] = field(default_factory=list)  # every round's tok/s (--rounds)
 
 
@@ -74,6 +78,7 @@ def load_prompts(path: Path, category: str | None) -> list[list[dict]]:
 SYSTEM_WORDS = ("You are a meticulous assistant for a software team. Follow the house style: answer "
                 "precisely, quote code exactly, keep explanations short, and say when you are unsure. ")
 LONG_TOKENS = (2048, 4096, 8192)
+TENANTS = ("harbour", "orchard", "quarry", "lantern", "meadow", "foundry", "glacier", "bazaar")
 
 
 def mix_conversations(conversations: list[list[dict]], mix: str) -> list[list[dict]]:
@@ -84,6 +89,14 @@ def mix_conversations(conversations: list[list[dict]], mix: str) -> list[list[di
         system = SYSTEM_WORDS * (4000 // len(SYSTEM_WORDS))
         return [[{"role": "system", "content": system}, *[m for m in c if m["role"] != "system"]]
                 for c in conversations]
+    if mix == "tenants":
+        out = []
+        for i, c in enumerate(conversations):
+            name = TENANTS[i % len(TENANTS)]
+            preamble = f"Tenant {name}: every answer is for the {name} team. "
+            system = preamble + SYSTEM_WORDS * (3800 // len(SYSTEM_WORDS))
+            out.append([{"role": "system", "content": system}, *[m for m in c if m["role"] != "system"]])
+        return out
     if mix == "long":
         out = []
         for i, c in enumerate(conversations):
@@ -92,7 +105,7 @@ def mix_conversations(conversations: list[list[dict]], mix: str) -> list[list[di
             body = (text + "\n") * (target // (len(text) + 1) + 1)
             out.append([{"role": "user", "content": body[:target] + "\nSummarise the text above in one line."}])
         return out
-    raise SystemExit(f"unknown mix {mix!r} (workload, shared-system, long)")
+    raise SystemExit(f"unknown mix {mix!r} (workload, shared-system, tenants, long)")
 
 
 async def run_level(url: str, headers: dict[str, str], prompts: list[str], clients: int, requests: int,
@@ -132,6 +145,16 @@ def gate_turns(url: str, headers: dict[str, str]) -> tuple[float, float] | None:
         return None
     found = dict(re.findall(r'draft_gate_turns_total\{choice="(\w+)"\} ([0-9.e+]+)', text))
     return (float(found["draft"]), float(found["plain"])) if {"draft", "plain"} <= found.keys() else None
+
+
+def prompt_counters(url: str, headers: dict[str, str]) -> tuple[float, float] | None:
+    """The server's prompt tokens evaluated and taken from its cache, from /metrics (None: it has no such pair)."""
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = dict(re.findall(r"^\S*(prompt_tokens(?:_cached)?)_total ([0-9.e+]+)$", text, re.M))
+    return (float(found["prompt_tokens"]), float(found["prompt_tokens_cached"])) if len(found) == 2 else None
 
 
 def render_prompts(url: str, headers: dict[str, str], conversations: list[list[dict]]) -> list[str]:
@@ -199,7 +222,7 @@ def print_table(results: list[LevelResult]) -> None:
     head = (f"{'mode':<14} {'clients':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'decode':>8} {'pooled':>8} "
             f"{'TTFT p50':>9} "
             f"{'TTFT p99':>9} "
-            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12} {'drafting':>8} {'KV peak':>8}")
+            f"{'ITL p50':>8} {'ITL p99':>8} {'accept':>12} {'drafting':>8} {'KV peak':>8} {'hit':>5}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -208,7 +231,8 @@ def print_table(results: list[LevelResult]) -> None:
         print(f"{r.mode:<14} {r.clients:>7} {r.requests:>5} {r.tokens:>7} {r.tokens_per_s:>8.1f} "
               f"{r.decode_tokens_per_s:>8.1f} {r.decode_pooled_tokens_per_s:>8.1f} "
               f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>7.0f}ms {r.itl_p50_ms:>6.1f}ms {r.itl_p99_ms:>6.1f}ms "
-              f"{acc:>12} {drafting:>8} {r.kv_tokens_peak if r.kv_tokens_peak is not None else '-':>8}")
+              f"{acc:>12} {drafting:>8} {r.kv_tokens_peak if r.kv_tokens_peak is not None else '-':>8} "
+              f"{f'{100 * r.prompt_hit:.0f}%' if r.prompt_hit is not None else '-':>5}")
 
 
 def main() -> int:
@@ -225,7 +249,7 @@ def main() -> int:
                    help="comma-separated: none (no speculation) or a speculative.type per request")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="workloads/prompts.json")
     p.add_argument("--category", default=None, help="only this prompt category (default: all)")
-    p.add_argument("--mix", default="workload", choices=("workload", "shared-system", "long"),
+    p.add_argument("--mix", default="workload", choices=("workload", "shared-system", "tenants", "long"),
                    help="prompt mix (module docstring)")
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON output path")
     args = p.parse_args()
@@ -250,13 +274,15 @@ def main() -> int:
             runs: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
             for _ in range(args.rounds):
                 for mode in modes:  # modes side by side at each level: load changes hit all alike
-                    before = gate_turns(url, headers)
+                    before, read = gate_turns(url, headers), prompt_counters(url, headers)
                     res = asyncio.run(run_level(url, headers, prompts, clients, args.requests, args.n_predict,
-                                                mode, cache_prompt=args.mix == "shared-system",
+                                                mode, cache_prompt=args.mix in ("shared-system", "tenants"),
                                                 client_procs=args.client_procs))
-                    after = gate_turns(url, headers)
+                    after, done = gate_turns(url, headers), prompt_counters(url, headers)
                     if before and after and sum(after) > sum(before):
                         res.drafting_turns = (after[0] - before[0]) / (sum(after) - sum(before))
+                    if read and done and sum(done) > sum(read):
+                        res.prompt_hit = (done[1] - read[1]) / (sum(done) - sum(read))
                     runs[mode].append(res)
                     print(f"{mode} x{clients}: {res.tokens_per_s:.1f} tok/s", file=sys.stderr)
             results += [median_run(runs[mode]) for mode in modes]

@@ -82,7 +82,7 @@ class FakeRunner:
     def kv_copy(self, src: int, dst: int) -> None:
         self.ledger.copy(src, dst)
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
         time.sleep(self.warmup_s)
 
     def memory_info(self) -> dict[str, int]:

@@ -113,3 +113,44 @@ def test_slot_files_and_embeddings_round_trip_through_scattered_blocks(small_poo
     step.add(11, 50, 2, logits=True)
     logits = small_pool.forward(step)
     assert (logits[0] == logits[1]).all()  # the restored copy attends to the same keys and values
+
+
+def test_a_prefix_a_slot_gave_up_is_held_for_the_next_turn(smollm_path: Path) -> None:
+    """One slot and two held prefixes: conversation A's turn, then B's, then A's next turn reads only what is new;
+    a pool too small to keep them all gives the held prefixes up first and still serves every request."""
+    runner = LocalRunner(smollm_path, n_seqs=3, n_ctx=512, device="cpu", progress=False)
+    tokenizer = Tokenizer.from_gguf(runner.gguf)
+    a = "A conversation about the sea, its tides, its fish, its boats and the people on its shores. " * 3
+    b = "Another one, about mountains: their snow, their rocks, the paths and the huts of the climbers. " * 3
+    sched = Scheduler(runner, tokenizer, n_batch=512, n_slots=1)
+    sched.start()
+    try:
+        wait(submit(sched, tokenizer, a, n_predict=4)[1])
+        wait(submit(sched, tokenizer, b, n_predict=4)[1])
+        _, result = wait(submit(sched, tokenizer, a + " And the next question?", n_predict=4)[1])
+        assert isinstance(result, Result) and result.n_cached >= len(tokenizer.encode(a)) - 1
+        assert sched.held[0].cache or sched.held[1].cache
+    finally:
+        sched.shutdown()
+    tight = LocalRunner(smollm_path, n_seqs=3, n_ctx=128, kv_size=128, device="cpu", progress=False)
+    sched = Scheduler(tight, tokenizer, n_batch=512, n_slots=1)
+    sched.start()
+    try:
+        texts = [wait(submit(sched, tokenizer, p, n_predict=40)[1]) for p in (a[:200], b[:200], a[:150] + "?")]
+        assert all(isinstance(r, Result) and r.n_predicted == 40 for _, r in texts)
+    finally:
+        sched.shutdown()
+
+
+def test_a_slot_job_gets_room_from_idle_caches(smollm_path: Path) -> None:
+    """An embedding needs more of the pool than is free while idle caches hold it: they are given up for it."""
+    from specserve.engine import slot_state
+
+    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=64, kv_size=64, device="cpu", progress=False)
+    tokenizer = Tokenizer.from_gguf(runner.gguf)
+    with running_scheduler(runner, tokenizer) as sched:
+        wait(submit(sched, tokenizer, "one two three four five six seven eight nine ten", n_predict=40)[1])
+        assert runner.ledger.free_blocks() <= 1  # the idle slot's cache holds the pool
+        tokens = tokenizer.encode("a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2)[:48]
+        vector = sched.submit_job(lambda slot: slot_state.embed(runner, slot, tokens, 16, "mean")).result(60)
+    assert vector.shape == (runner.config.hidden,) and vector.isfinite().all()

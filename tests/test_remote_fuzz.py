@@ -50,7 +50,7 @@ SEEDS = [
     p.encode_request("launch", 4, tokens=[5], positions=[0], seq_ids=[1], logit_rows=[0], fed=[-1], want_logits=0),
     p.encode_request("kv_truncate", 5, seq=0, n_keep=1),
     p.encode_request("kv_copy", 6, src=0, dst=2),
-    p.encode_request("warmup", 7, max_rows=4, prompt_rows=8),
+    p.encode_request("warmup", 7, max_rows=4, prompt_rows=8, sequences=0),
     p.encode_request("memory_info", 8),
     p.encode_request("load", 9, model="again", n_seqs=1, n_ctx=8, kv_size=0, weight_format="auto", device=""),
 ]

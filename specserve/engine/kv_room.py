@@ -7,15 +7,21 @@ blocks, the scheduler gives up idle slots' prompt caches first, least recently u
 still finds no room, running slots are preempted, youngest first (vLLM's recompute policy): a preempted slot
 gives back its KV and, when room returns, reads its tokens again (`SlotState.RESUMING`) and goes on where it
 stopped. Its client only sees a pause. Preemption happens only while no step is in flight.
+
+The pool also keeps prompt prefixes beyond the slots' own caches: sequences past the slots (`HeldPrefix`) take
+over, by sharing its blocks, a cache that a slot gives up for another prompt, so a later request with that
+prefix (a conversation's next turn, another tenant's system prompt) reads only the rest. They are the first
+given up under pressure, least recently used first, beside idle slots' caches.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from specserve.engine.draft_gate import DRAFT_ROWS, MIN_DRAFT
 from specserve.engine.runner import Runner
-from specserve.engine.slots import SchedulerCounters, Slot, SlotState
+from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
 from specserve.model.batch import common_prefix
 from specserve.model.kv_ledger import KVLedger
 
@@ -58,22 +64,24 @@ class SlotMemory:
 
     runner: Runner
     slots: list[Slot]
+    held: list[HeldPrefix]
     counters: SchedulerCounters
     _cond: threading.Condition
 
     def _evict_idle(self, room: KVRoom, need: int) -> None:
-        """Give up idle slots' caches, least recently used first, until `need` blocks are free (a cache whose
-        blocks running slots hold too frees nothing, and is kept)."""
+        """Give up held prefixes and idle slots' caches, least recently used first, until `need` blocks are free (a
+        cache whose blocks running slots hold too frees nothing, and is kept)."""
         if room.plenty or room.free >= need:
             return
         ledger = self.runner.ledger
         tables = ledger.blocks.tables
         busy = {b for s in self.slots if s.handle is not None for b in tables[s.id]}
-        for slot in sorted((s for s in self.slots if s.handle is None and not busy.issuperset(tables[s.id])),
-                           key=lambda s: s.last_used):
+        idle: list[Slot | HeldPrefix] = [s for s in (*self.slots, *self.held)
+                                         if s.handle is None and not busy.issuperset(tables[s.id])]
+        for seq in sorted(idle, key=lambda s: s.last_used):
             before = ledger.free_blocks()
-            self.runner.kv_truncate(slot.id, 0)
-            slot.cache = []
+            self.runner.kv_truncate(seq.id, 0)
+            seq.cache = []
             room.free += ledger.free_blocks() - before
             if room.free >= need:
                 return
@@ -113,16 +121,34 @@ class SlotMemory:
             self.counters.kv_preemptions += 1
 
     def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
-        """Where another slot's cache holds more of the prompt than this slot's own (a shared system prompt), take
-        that sequence's blocks (kv_copy: held once, copied on write) instead of evaluating the prefix again; the
-        caller truncates to the returned length. Only settled positions count (slot.cache), so a step in flight on
-        the other slot cannot matter."""
-        held, best = max(((common_prefix(s.cache, prompt), s) for s in self.slots if s is not slot),
-                         key=lambda pair: pair[0], default=(0, slot))
+        """Where another slot's cache or a held prefix holds more of the prompt than this slot's own (a shared system
+        prompt, a conversation's earlier turns), take that sequence's blocks (kv_copy: held once, copied on write)
+        instead of evaluating the prefix again; the caller truncates to the returned length. Only settled positions
+        count (slot.cache), so a step in flight on the other slot cannot matter."""
+        others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
+        held, best = max(((common_prefix(s.cache, prompt), s) for s in others), key=lambda pair: pair[0],
+                         default=(0, slot))
         shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
         if shared < keep + MIN_SHARED_PREFIX:
             return keep
         self.runner.kv_copy(best.id, slot.id)
+        best.last_used = time.perf_counter()
         with self._cond:
             self.counters.prompt_tokens_shared += shared - keep
         return shared
+
+    def _hold_prefix(self, slot: Slot, keep: int) -> None:
+        """Before an idle slot keeps only `keep` of its cache for a new prompt: have a held prefix take over the
+        rest (its blocks shared), unless another sequence holds it already or it is short."""
+        tokens = slot.cache[:self.runner.seq_len[slot.id]]
+        if not self.held or len(tokens) < keep + MIN_SHARED_PREFIX:
+            return
+        others = [s for s in (*self.slots, *self.held) if s is not slot]
+        if any(common_prefix(s.cache, tokens) == len(tokens) for s in others):
+            return
+        # the sequence it extends (it adds to that prefix), else an empty one, else the least recently used
+        spare = max(self.held, key=lambda h: (common_prefix(h.cache, tokens) == len(h.cache) > 0, not h.cache,
+                                              -h.last_used))
+        self.runner.kv_copy(slot.id, spare.id)
+        self.runner.kv_truncate(spare.id, len(tokens))
+        spare.cache, spare.last_used = list(tokens), time.perf_counter()

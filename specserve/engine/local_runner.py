@@ -140,11 +140,12 @@ class LocalRunner:
         """The forward the runner drives (a tensor-parallel shard runner builds its rank's instead)."""
         return Transformer(config, weights, self.n_ctx)
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS, sequences: int = 0) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
-        prompt_rows, alone or beside a decode row of every other sequence (no-op without graphs)."""
+        prompt_rows, alone or beside a decode row of each of the other `sequences` a step may serve (0: all)
+        (no-op without graphs)."""
         if self.graphs is not None:
-            self.graphs.capture_up_to(max_rows, prompt_rows, mixed_picks=self.n_seqs)
+            self.graphs.capture_up_to(max_rows, prompt_rows, mixed_picks=sequences or self.n_seqs)
             freeze_gc()
 
     @property

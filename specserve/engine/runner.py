@@ -80,8 +80,9 @@ class Runner(Protocol):
         """The most draft tokens a verify step should carry (n_max or fewer)."""
         ...
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512) -> None:
-        """Prepare steps of up to max_rows rows (e.g. capture CUDA graphs) before serving."""
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
+        """Prepare steps of up to max_rows rows (e.g. capture CUDA graphs) before serving, and prompt chunks of up
+        to prompt_rows beside a row of each of up to `sequences` others (0: every sequence)."""
         ...
 
     def memory_info(self) -> dict[str, int]: ...

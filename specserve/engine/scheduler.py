@@ -31,7 +31,7 @@ from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import SlotDrafts
 from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
-from specserve.engine.slots import SchedulerCounters, Slot, SlotState
+from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight, Plan
 from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle
@@ -47,13 +47,15 @@ ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) ->
 
 
 class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
-    """Serves up to runner.n_seqs tasks at once over one Runner."""
+    """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
-                 n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True):
+                 n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True, n_slots: int | None = None):
         """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles
         every step before the next is planned (the reference the tests compare with). adaptive_drafts: slots
-        draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft."""
+        draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft.
+        n_slots: the runner's first sequences are slots (default all); the rest hold prompt prefixes
+        (kv_room.py)."""
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         self.runner = runner
@@ -62,7 +64,11 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self.n_batch = n_batch
         self.overlap = overlap
         self.n_ctx = runner.n_ctx
-        self.slots = [Slot(i) for i in range(runner.n_seqs)]
+        n_slots = n_slots or runner.n_seqs
+        if not 1 <= n_slots <= runner.n_seqs:
+            raise SpecserveError(f"{n_slots} slots do not fit a runner of {runner.n_seqs} sequences")
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
         self.counters = SchedulerCounters(kv_capacity=runner.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
@@ -74,7 +80,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self._halve_room = runner.device.type == "cuda"
         self._drafts_allowed = True
         self._draft_cap = draft_cap(1)
-        self._most_blocks = most_blocks(n_batch, runner.n_seqs, runner.ledger.blocks.block_size)
+        self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
 
     # -- public, thread-safe ---------------------------------------------------------------------
@@ -250,6 +256,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
             if task.cache_prompt:
+                self._hold_prefix(slot, keep)
                 keep = self._share_prefix(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]

@@ -18,8 +18,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.engine.kv_room import KVRoom
+from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.errors import SpecserveError
+from specserve.model.kv_ledger import KVCacheFull
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,12 @@ class SlotJob:
 class SlotJobs:
     """The scheduler's job queue (Scheduler provides these attributes)."""
 
+    runner: Runner
     slots: list[Slot]
     _cond: threading.Condition
     _stopping: bool
     _jobs: deque[SlotJob]
+    _evict_idle: Callable[[KVRoom, int], None]  # (kv_room.SlotMemory)
 
     def submit_job(self, work: JobWork, slot: int | None = None) -> Future[Any]:
         """Run work(slot) on the scheduler's thread once `slot` (None: any slot) is idle; thread-safe. The future
@@ -73,12 +78,21 @@ class SlotJobs:
         for job, slot in ready:
             if job.future.set_running_or_notify_cancel():
                 try:
-                    job.future.set_result(job.work(slot))
+                    job.future.set_result(self._with_room(job.work, slot))
                 except Exception as exc:
                     if not isinstance(exc, SpecserveError):
                         log.exception("slot job on slot %d failed", slot.id)
                     job.future.set_exception(exc)
             slot.last_used = time.perf_counter()
+
+    def _with_room(self, work: JobWork, slot: Slot) -> Any:
+        """work(slot); where the KV pool had no room for it, again after idle caches were given up (KVCacheFull
+        from the second try: running requests hold the rest)."""
+        try:
+            return work(slot)
+        except KVCacheFull:
+            self._evict_idle(KVRoom(self.runner.ledger, most=1 << 62), 1 << 62)
+            return work(slot)
 
     def _fail_jobs(self, message: str) -> None:
         """(Under the lock.)"""

@@ -95,6 +95,17 @@ class Slot:
 
 
 @dataclass
+class HeldPrefix:
+    """A KV sequence beyond the slots that keeps a prompt prefix a slot gave up (engine/kv_room.py): shared blocks,
+    given back under memory pressure, least recently used first."""
+
+    id: int
+    cache: list[int] = field(default_factory=list)  # the tokens its sequence holds
+    last_used: float = 0.0
+    handle: None = None  # (never runs a task: what eviction asks of slots and held prefixes alike)
+
+
+@dataclass
 class SchedulerCounters:
     prompt_tokens: int = 0
     prompt_tokens_shared: int = 0  # copied from another slot's cache instead of evaluated (part of the cached)

@@ -277,9 +277,9 @@ class Connection:
             r.kv_copy(f["src"], f["dst"])
             self._queue(encode_reply(cmd, rid))
         elif cmd.name == "warmup":
-            if f["max_rows"] > 1 << 16 or f["prompt_rows"] > 1 << 16:
+            if f["max_rows"] > 1 << 16 or f["prompt_rows"] > 1 << 16 or f["sequences"] > r.n_seqs:
                 raise ProtocolError(Status.BAD_REQUEST, "warm-up sizes out of range")
-            r.warmup(f["max_rows"], f["prompt_rows"])
+            r.warmup(f["max_rows"], f["prompt_rows"], f["sequences"])
             self._queue(encode_reply(cmd, rid))
         elif cmd.name == "memory_info":
             info = r.memory_info()

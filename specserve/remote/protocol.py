@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x53505356  # "SPSV"
-VERSION = (2, 0)  # (major, minor): a major mismatch is refused, a minor one warned about (2: load's kv_size)
+VERSION = (2, 0)  # (major, minor): a major mismatch is refused, a minor one warned about (2: the paged pool)
 MAX_FRAME = 1 << 30  # bytes of one payload (a model's tokenizer metadata or a step's logits fit)
 MAX_INTS = 1 << 20  # entries of one integer list
 MAX_STR = 1 << 26  # bytes of one string
@@ -79,7 +79,7 @@ COMMANDS = (
             (("argmax", "ints"), ("logits", "tensor"))),
     Command(4, "kv_truncate", (("seq", "u32"), ("n_keep", "u32")), ()),
     Command(5, "kv_copy", (("src", "u32"), ("dst", "u32")), ()),
-    Command(6, "warmup", (("max_rows", "u32"), ("prompt_rows", "u32")), (), slow=True),
+    Command(6, "warmup", (("max_rows", "u32"), ("prompt_rows", "u32"), ("sequences", "u32")), (), slow=True),
     Command(7, "memory_info", (), (("kv_bytes", "i64"), ("weights_bytes", "i64"))),
 )
 BY_CODE = {c.code: c for c in COMMANDS}

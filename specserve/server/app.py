@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
 from specserve.errors import NotSupported, SpecserveError
+from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
 from specserve.server.builders import Builder, build_chat, build_completion, build_infill, build_v1_completion
 from specserve.server.embeddings import embeddings
@@ -167,6 +168,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             return exc.response()
         if isinstance(exc, NotSupported):  # this set-up cannot (a flag not given, a remote runner): as llama-server
             return error_response(501, str(exc))
+        if isinstance(exc, KVCacheFull):  # running requests hold the pool (a slot job's room): later, not never
+            return error_response(503, str(exc), headers={"Retry-After": "1"})
         return error_response(400, str(exc))
 
     @app.exception_handler(Unavailable)
@@ -270,7 +273,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({
             "default_generation_settings": {"n_ctx": engine.n_ctx,
                                             "params": llama_params(engine.default_params(), False)},
-            "total_slots": engine.runner.n_seqs,
+            "total_slots": engine.settings.n_parallel,
             "model_alias": engine.model_name,
             "model_path": str(engine.model_path),
             "draft_model_path": str(engine.draft_runner.gguf.path) if engine.draft_runner else None,

@@ -46,6 +46,8 @@ class ServerSettings:
     # most (the model's training context if shorter), a pool of that times the slots
     ctx_size: int | None = None
     n_parallel: int = 4
+    # prompt prefixes kept beyond the slots' caches (kv_room.py); None: as many as slots, at least 8
+    cache_prefixes: int | None = None
     n_batch: int = 512
     adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
     n_predict: int = -1
@@ -66,6 +68,9 @@ class ServerSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
+    def held_prefixes(self) -> int:
+        return max(8, self.n_parallel) if self.cache_prefixes is None else self.cache_prefixes
+
     def kv_size(self) -> int | None:
         """The pool's positions (-c), which is also the most one slot may reach; None: the runner's default."""
         if self.ctx_size is None or self.ctx_size == 0:
@@ -78,6 +83,8 @@ class ServerSettings:
 def check_settings(s: ServerSettings) -> None:
     if s.n_parallel < 1:
         raise SpecserveError(f"-np/--parallel must be at least 1, got {s.n_parallel}")
+    if s.cache_prefixes is not None and s.cache_prefixes < 0:
+        raise SpecserveError(f"--cache-prefixes must not be negative, got {s.cache_prefixes}")
     if s.n_batch < 1:
         raise SpecserveError(f"-b/--batch-size must be at least 1, got {s.n_batch}")
     if s.n_predict < -1:
@@ -122,9 +129,9 @@ class Engine:
         self.encoder = TextEncoder(tokenizer)
         self.control_tokens = ControlTokens(self.encoder)
         self.grammars = GrammarCompiler(tokenizer)  # grammar / json_schema / response_format requests
-        if draft_runner is not None and draft_runner.n_seqs < runner.n_seqs:
+        if draft_runner is not None and draft_runner.n_seqs < settings.n_parallel:
             raise SpecserveError("the draft runner needs one sequence per slot")
-        self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch,
+        self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
                                    adaptive_drafts=settings.adaptive_drafts,
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
         self.n_ctx = runner.n_ctx
@@ -144,15 +151,16 @@ class Engine:
         check_settings(settings)
         kv_size = settings.kv_size()
         runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
-                                                     n_seqs=settings.n_parallel, n_ctx=kv_size, kv_size=kv_size,
+                                                     n_seqs=settings.n_parallel + settings.held_prefixes(),
+                                                     n_ctx=kv_size, kv_size=kv_size,
                                                device=settings.device, progress=progress,
                                                weight_format=settings.weight_format,
                                                tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)
         build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
         # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
-        runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max))
+        runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max), sequences=settings.n_parallel)
         if draft_runner is not None:  # the slots draft together: a row each per draft token
-            draft_runner.warmup(max_rows=settings.n_parallel)
+            draft_runner.warmup(max_rows=settings.n_parallel, sequences=settings.n_parallel)
         tokenizer = Tokenizer.from_gguf(runner.gguf)
         if settings.chat_template is not None:
             tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders

@@ -40,8 +40,8 @@ class SchedulerCollector(Collector):
         yield counter("prompt_tokens_cached", "Number of prompt tokens reused from a slot's cache.",
                       c.prompt_tokens_cached)
         yield counter("prompt_seconds", "Prompt process time.", c.prompt_seconds)
-        yield counter("prompt_tokens_shared", "Prompt tokens copied from another slot's cache (a shared prefix) "
-                      "instead of evaluated.", c.prompt_tokens_shared)
+        yield counter("prompt_tokens_shared", "Prompt tokens taken from another slot's cache or a held prefix "
+                      "(shared blocks) instead of evaluated.", c.prompt_tokens_shared)
         yield counter("tokens_predicted", "Number of generation tokens processed.", c.tokens_predicted)
         yield counter("tokens_predicted_seconds", "Predict process time.", c.predicted_seconds)
         yield counter("n_decode", "Number of forward passes (all slots together).", c.n_decode)
@@ -58,12 +58,9 @@ class SchedulerCollector(Collector):
         yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
                     c.requests_deferred)
         yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
-        yield gauge("kv_cache_tokens", "KV pool positions in use, in whole blocks (a shared prefix counts once; "
-                    "idle slots' prompt caches too).", c.kv_tokens)
+        yield gauge("kv_cache_tokens", "KV pool positions in use (whole blocks, shared ones once).", c.kv_tokens)
         yield gauge("kv_cache_usage_ratio", "KV pool positions in use / all positions.",
                     c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
-        yield counter("kv_preemptions", "Running requests that gave back their KV for others and read their tokens "
-                      "again later (a full pool).", c.kv_preemptions)
         seen = c.prompt_tokens + c.prompt_tokens_cached
         yield gauge("prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache or another's shared "
                     "prefix) / all prompt tokens, since start.", c.prompt_tokens_cached / seen if seen else 0.0)
@@ -87,6 +84,8 @@ class SchedulerCollector(Collector):
             accepted.add_metric([name], c.draft_accepted.get(name, 0))
         yield generated
         yield accepted
+        yield counter("kv_preemptions", "Running requests that gave back their KV for others and read their tokens "
+                      "again later (a full pool: engine/kv_room.py).", c.kv_preemptions)
 
 
 def make_registry(counters: Callable[[], SchedulerCounters | None]) -> CollectorRegistry:
