@@ -4,7 +4,8 @@
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
 # SERVER_EXTRA: more `specserve serve` flags for serve and fidelity (e.g. --batch-invariant).
-# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] bash benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests]
+# Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
+#   benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -52,6 +53,17 @@ for step in $steps; do
             timeout 1500 python3 benchmarks/moe_llama_cpp.py --llama-bin "$LLAMA_BIN" --types "${MOE_TYPES:-Q8_0,Q4_K_M}" \
                 -o "$OUT/moe_llama_cpp.json" 2>&1 | tail -8 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests)" ;;
+        paged) # the paged KV pool on the GPU: kernels, graphs against eager, the pool's scheduling
+            timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_graph_buckets.py \
+                tests/test_cuda_builds.py tests/test_kv_blocks.py tests/test_kv_pool.py tests/test_batch_invariant.py \
+                2>&1 | tail -3 ;;
+        mixes) # issue 25's mixes: long prompts (ITL while they are read), shared and per-tenant system prompts
+            for mix in ${MIXES:-long shared-system tenants}; do
+                timeout 600 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-16,64}" \
+                    --requests ${REQUESTS:-2} -n 128 --modes none --mix "$mix" --prompts "$SPECSERVE_WORKLOADS" \
+                    -o "$OUT/serve_${T}_cuda${sfx}_$mix.json" --server-args --weight-format "$FORMAT" \
+                    ${SERVER_EXTRA:-} 2>&1 | tail -5
+            done ;;
+        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes)" ;;
     esac
 done
