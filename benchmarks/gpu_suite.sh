@@ -56,7 +56,8 @@ for step in $steps; do
         paged) # the paged KV pool on the GPU: kernels, graphs against eager, the pool's scheduling
             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_graph_buckets.py \
                 tests/test_cuda_builds.py tests/test_kv_blocks.py tests/test_kv_pool.py tests/test_batch_invariant.py \
-                2>&1 | tail -3 ;;
+                2>&1 | tail -3
+            timeout 300 python3 benchmarks/attention_bench.py -o "$OUT/attention_bench.json" 2>&1 | tail -14 ;;
         mixes) # issue 25's mixes: long prompts (ITL while they are read), shared and per-tenant system prompts
             for mix in ${MIXES:-long shared-system tenants}; do
                 timeout 600 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-16,64}" \

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.scheduler import Scheduler
@@ -51,6 +52,30 @@ def test_a_full_pool_preempts_the_youngest_and_its_text_is_unchanged(small_pool:
                                                    for p in PROMPTS]]
         assert [t for t, _ in drafted] == [t for t, _ in alone]
     assert all(s.state == SlotState.IDLE for s in sched.slots)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: graphs, the Triton kernels, the QKV epilogue")
+@pytest.mark.parametrize("weight_format", ["float", "gguf"])
+def test_preempted_slots_end_with_their_text_alone_on_cuda(smollm_path: Path, weight_format: str) -> None:
+    """As on the CPU, with batch-invariant kernels (a row's bits then do not depend on its step), through CUDA
+    graphs: tokens read again as a prompt chunk give the K/V their decode rows gave."""
+    from specserve.kernels import batch_invariant
+
+    was = batch_invariant.enabled()
+    batch_invariant.enable(True)
+    try:
+        runner = LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cuda", progress=False,
+                             weight_format=weight_format)
+        runner.warmup(24, 64)
+        tokenizer = Tokenizer.from_gguf(runner.gguf)
+        with running_scheduler(runner, tokenizer) as sched:
+            plain = SpecParams(n_max=0)
+            alone = [wait(submit(sched, tokenizer, p, n_predict=70, spec=plain)[1])[0] for p in PROMPTS]
+            pending = [submit(sched, tokenizer, p, n_predict=70, spec=plain) for p in PROMPTS]
+            assert [wait(events)[0] for _, events in pending] == alone
+            assert sched.counters_snapshot().kv_preemptions > 0
+    finally:
+        batch_invariant.enable(was)
 
 
 def test_one_slot_may_use_the_pool_beyond_an_even_share(small_pool: LocalRunner, tokenizer: Tokenizer) -> None:

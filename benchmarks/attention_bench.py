@@ -1,0 +1,81 @@
+"""The Triton attention over the paged KV pool on CUDA: what the block tables cost.
+
+    python benchmarks/attention_bench.py [--contexts 512,2048,8192,32768] [--rows 1,16,64] [-o FILE]
+
+For each context and count of decode rows (one row per sequence, qwen2.5-coder-1.5b's heads: 12 query / 2 KV
+heads of 128), the kernel's GPU time (CUDA graph replays, median) with every sequence's blocks in order in the
+pool (as the fixed per-slot layout read them) and with the same blocks shuffled over the pool (as a long-running
+server's pool holds them), and the bandwidth that time gives for the K/V bytes the rows read. Prints a table,
+writes JSON (bench_output.py; default attention_bench.json in the cache's benchmarks folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_output import output_path, print_table, write_json
+
+from specserve.cli.measure import copy_bandwidth
+from specserve.kernels import attention_triton
+from specserve.model.kv_blocks import BLOCK_SIZE
+
+HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    """Median GPU time of fn as a captured graph's replay, in microseconds."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(ctx: int, rows: int, shuffled: bool) -> float:
+    blocks = -(-ctx // BLOCK_SIZE)
+    order = torch.randperm(rows * blocks) if shuffled else torch.arange(rows * blocks)
+    table = order.view(rows, blocks).int().cuda()
+    k = torch.randn(rows * blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    positions = torch.full((rows,), ctx - 1, device="cuda")
+    seq_ids = torch.arange(rows, device="cuda")
+    return graph_us(lambda: attention_triton.attention(q, k, v, positions, seq_ids, table, BLOCK_SIZE,
+                                                       HEAD_DIM ** -0.5))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="512,2048,8192,32768")
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    results = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            ordered, shuffled = measure(ctx, rows, False), measure(ctx, rows, True)
+            kv_bytes = rows * ctx * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+            results.append({"context": ctx, "rows": rows, "in_order_us": round(ordered, 2),
+                            "shuffled_us": round(shuffled, 2), "shuffled_over_in_order": round(shuffled / ordered, 3),
+                            "shuffled_bandwidth_fraction": round(kv_bytes / (shuffled * 1e-6) / bandwidth, 3)})
+    print_table(results, list(results[0]))
+    write_json(output_path(args.output, "attention_bench.json"),
+               {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+                "heads": [HEADS, KV_HEADS, HEAD_DIM], "block_size": BLOCK_SIZE, "results": results})
+
+
+if __name__ == "__main__":
+    main()
