@@ -59,13 +59,14 @@ def test_tables_follow_the_sequences(steps: list[tuple]) -> None:
             assert (need <= t.free) == (fits >= n)
             if need > t.free:
                 continue
-            free_before = t.free
-            pool.copy(t.write(seq, start, start + n))
+            free_before, written = t.free, []
+            pool.copy(t.write(seq, start, start + n, written))
+            assert written == t.slots(seq, start, start + n)
             assert free_before - t.free <= need  # (a write that shortens the sequence also gives blocks back)
             values = list(range(stamp, stamp + n))
             stamp += n
-            for p, value in zip(range(start, start + n), values, strict=True):
-                pool.slots[t.slot(seq, p)] = value
+            for slot, value in zip(t.slots(seq, start, start + n), values, strict=True):
+                pool.slots[slot] = value
             history[seq] = history[seq][:start] + values
         elif op[0] == "truncate":
             _, seq, n = op
@@ -82,7 +83,7 @@ def test_tables_follow_the_sequences(steps: list[tuple]) -> None:
         check_invariants(t)
         for seq in range(N_SEQS):
             assert len(t.tables[seq]) == -(-len(history[seq]) // B)
-            assert [pool.slots[t.slot(seq, p)] for p in range(len(history[seq]))] == history[seq]
+            assert [pool.slots[slot] for slot in t.slots(seq, 0, len(history[seq]))] == history[seq]
 
 
 def test_positions_within_is_the_longest_write_that_fits() -> None:
@@ -102,7 +103,7 @@ def test_ledger_refuses_a_step_the_pool_cannot_hold_and_changes_nothing() -> Non
     batch = Batch()
     batch.add_sequence(list(range(20)), 0, 0, "last")
     admitted = ledger.admit(batch, None)
-    assert admitted.slots == [ledger.blocks.slot(0, p) for p in range(20)] and ledger.free_blocks() == 0
+    assert admitted.slots == ledger.blocks.slots(0, 0, 20) and ledger.free_blocks() == 0
     more = Batch()
     more.add_sequence([1, 2], 0, 1, "last")
     with pytest.raises(KVCacheFull, match="KV cache is full"):

@@ -231,7 +231,7 @@ class LocalRunner:
 
     def kv_read(self, seq: int) -> torch.Tensor:
         blocks = self.ledger.blocks
-        return self.kv.read([blocks.slot(seq, p) for p in range(self.seq_len[seq])])
+        return self.kv.read(blocks.slots(seq, 0, self.seq_len[seq]))
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:
         cfg = self.config

@@ -349,38 +349,6 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         """Where the row fed from in-flight entry e goes."""
         return len(e.slot.task.prompt) if e.prompt else len(e.slot.cache) + 1
 
-    def _plan_reading(self, plan: Plan, chained: set[int], room: KVRoom) -> None:
-        """Prompt chunks (and preempted slots' tokens read again) share what is left of n_batch, but always get a
-        share so they never starve; oldest task first, each as far as the pool allows."""
-        budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
-        reading = sorted((s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
-                          and s.handle is not None and s.id not in chained), key=lambda s: s.t_start)
-        generating = sum(s.state == SlotState.GENERATING for s in self.slots)
-        waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
-        for slot in reading:
-            replay = slot.state == SlotState.RESUMING
-            tokens = slot.replay if replay else slot.task.prompt
-            start = slot.n_planned
-            if budget <= 0 or start >= len(tokens):
-                continue
-            want = min(budget, len(tokens) - start)
-            ledger = self.runner.ledger
-            if not room.plenty and not replay and start == slot.n_cached:
-                # A prompt starts only where all of it fits beside a block for each generating slot: one that
-                # could not finish would be preempted again and again (its chunks read in vain).
-                whole = ledger.need(slot.id, start, len(tokens)) + generating
-                self._evict_idle(room, whole)
-                waiting = waiting or room.free < whole
-                if waiting:
-                    continue
-            self._evict_idle(room, ledger.need(slot.id, start, start + want))
-            n = room.grow(slot.id, start, 0, want)
-            if n == 0:
-                continue
-            plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
-            slot.n_planned += n
-            budget -= n
-
     def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
         """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
         the pool's room (the first row's blocks are taken already)."""

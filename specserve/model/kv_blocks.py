@@ -110,10 +110,6 @@ class BlockTable:
         """Blocks that truncating the sequence to nothing would free (those no other sequence holds)."""
         return sum(self.refs[b] == 1 for b in self.tables[seq])
 
-    def slot(self, seq: int, position: int) -> int:
-        """The pool slot of a position the sequence holds."""
-        return self.tables[seq][position // self.block_size] * self.block_size + position % self.block_size
-
     def _take(self) -> int:
         block = self._free.pop()
         self.refs[block] = 1
