@@ -179,3 +179,13 @@ def test_a_slot_job_gets_room_from_idle_caches(smollm_path: Path) -> None:
         tokens = tokenizer.encode("a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2)[:48]
         vector = sched.submit_job(lambda slot: slot_state.embed(runner, slot, tokens, 16, "mean")).result(60)
     assert vector.shape == (runner.config.hidden,) and vector.isfinite().all()
+
+
+def test_without_c_the_pool_is_a_slots_context_each(smollm_path: Path) -> None:
+    """Held prefixes add sequences, not memory: without -c the pool is min(model, 4096) positions a slot."""
+    from specserve.server.engine import ServerSettings
+
+    settings = ServerSettings(model=str(smollm_path), n_parallel=3)
+    context = LocalRunner(smollm_path, device="cpu", progress=False).config.context_length
+    assert settings.held_prefixes() == 8 and settings.default_kv_size() == 3 * min(context, 4096)
+    assert ServerSettings(model=str(smollm_path), n_parallel=16, cache_prefixes=2).held_prefixes() == 2

@@ -22,6 +22,8 @@ from specserve.model.kv_ledger import KVLedger
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
 
+DEFAULT_CTX = 4096  # positions a sequence may reach when not told (the model's context if shorter)
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,7 +111,7 @@ class LocalRunner:
         self.weights = weights
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
-        self.n_ctx = int(n_ctx or min(config.context_length, 4096))
+        self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
         if self.n_ctx < 1 or n_seqs < 1 or (kv_size is not None and kv_size < 1):
             raise SpecserveError(f"invalid context size {self.n_ctx}, KV size {kv_size} or sequence count {n_seqs}")
         self.n_ctx = min(self.n_ctx, kv_size or self.n_ctx)  # one sequence may hold the whole pool, no more

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.engine.host_copy import LaunchedStep
-from specserve.engine.local_runner import LocalRunner, checked_device, default_dtype
+from specserve.engine.local_runner import DEFAULT_CTX, LocalRunner, checked_device, default_dtype
 from specserve.engine.tp_launch import RankGroup, start_rank0
 from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
@@ -169,7 +169,7 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
     check_tensor_parallel(config, world, set(gguf.tensor_names()))
     dt = dtype or default_dtype(dev)
     spec = {"path": str(Path(model_path).resolve()), "n_seqs": n_seqs,
-            "n_ctx": int(n_ctx or min(config.context_length, 4096)), "kv_size": kv_size,
+            "n_ctx": int(n_ctx or min(config.context_length, DEFAULT_CTX)), "kv_size": kv_size,
             "dtype": str(dt).removeprefix("torch.")}
     t0 = time.monotonic()
     group = start_rank0(world, dev.type)

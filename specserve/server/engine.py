@@ -15,7 +15,7 @@ from typing import Any
 from specserve import catalog
 from specserve.engine.constraints import GrammarCompiler
 from specserve.engine.loading import RemoteOptions, load_with_draft
-from specserve.engine.local_runner import LocalRunner, checked_device
+from specserve.engine.local_runner import DEFAULT_CTX, LocalRunner, checked_device
 from specserve.engine.logit_bias import LogitBias
 from specserve.engine.sampling import SamplingParams, choice_seed
 from specserve.engine.scheduler import Scheduler
@@ -23,7 +23,9 @@ from specserve.engine.slot_state import POOLINGS
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
+from specserve.gguf.reader import GGUFFile
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.config import ModelConfig
 from specserve.server.chat_tokens import ControlTokens
 from specserve.server.errors import ContextSizeError, ModelNotFound
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
@@ -72,12 +74,23 @@ class ServerSettings:
         return max(8, self.n_parallel) if self.cache_prefixes is None else self.cache_prefixes
 
     def kv_size(self) -> int | None:
-        """The pool's positions (-c), which is also the most one slot may reach; None: the runner's default."""
+        """-c: the pool's positions, which is also the most one slot may reach; None when not given."""
         if self.ctx_size is None or self.ctx_size == 0:
             return None
         if self.ctx_size < 16:
             raise SpecserveError(f"context size {self.ctx_size} is too small; give -c 16 or more")
         return self.ctx_size
+
+    def default_kv_size(self) -> int:
+        """Without -c: a pool of min(model, 4096) positions a slot (held prefixes get none of their own: they
+        share what the slots leave). A remote host's model is not read here: 4096 a slot, the host's default
+        context per sequence within it."""
+        per_slot = DEFAULT_CTX
+        if self.remote is None:
+            gguf = GGUFFile(catalog.resolve(self.model))
+            per_slot = min(ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names())).context_length,
+                           DEFAULT_CTX)
+        return per_slot * self.n_parallel
 
 
 def check_settings(s: ServerSettings) -> None:
@@ -149,10 +162,11 @@ class Engine:
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
         check_settings(settings)
-        kv_size = settings.kv_size()
+        ctx = settings.kv_size()  # the most one slot may reach: the pool, as given; else the runner's default
+        kv_size = ctx or settings.default_kv_size()
         runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
                                                      n_seqs=settings.n_parallel + settings.held_prefixes(),
-                                                     n_ctx=kv_size, kv_size=kv_size,
+                                                     n_ctx=ctx, kv_size=kv_size,
                                                device=settings.device, progress=progress,
                                                weight_format=settings.weight_format,
                                                tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)
