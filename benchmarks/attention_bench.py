@@ -15,32 +15,13 @@ import argparse
 
 import torch
 from bench_output import output_path, print_table, write_json
+from random_model import graph_us
 
 from specserve.cli.measure import copy_bandwidth
 from specserve.kernels import attention_triton
 from specserve.model.kv_blocks import BLOCK_SIZE
 
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    """Median GPU time of fn as a captured graph's replay, in microseconds."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(ctx: int, rows: int, shuffled: bool) -> float:
@@ -53,7 +34,7 @@ def measure(ctx: int, rows: int, shuffled: bool) -> float:
     positions = torch.full((rows,), ctx - 1, device="cuda")
     seq_ids = torch.arange(rows, device="cuda")
     return graph_us(lambda: attention_triton.attention(q, k, v, positions, seq_ids, table, BLOCK_SIZE,
-                                                       HEAD_DIM ** -0.5))
+                                                       HEAD_DIM ** -0.5), calls=1, reps=50)
 
 
 def main() -> None:

@@ -62,7 +62,6 @@ class FakeRunner:
     def __init__(self, texts: list[list[int]], n_ctx: int, step_ms: float, row_ms: float):
         self.texts, self.n_seqs, self.n_ctx = texts, len(texts), n_ctx
         self.ledger = KVLedger(self.n_seqs, n_ctx, VOCAB)
-        self.kv_size = self.ledger.kv_size
         self.seq_len = self.ledger.seq_len
         self.device = torch.device("cpu")
         self.step_s, self.row_s = step_ms / 1e3, row_ms / 1e3

@@ -48,7 +48,6 @@ class TextRunner(FakeRunner):
         self.device = torch.device(device)  # the modelled one: the scheduler's draft room rule follows it
         self.vocab_size, self.eos, self.text = vocab_size, eos, [0]
         self.ledger = KVLedger(1, n_ctx, vocab_size)
-        self.kv_size = self.ledger.kv_size
         self.seq_len = self.ledger.seq_len
 
     def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:

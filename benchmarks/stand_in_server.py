@@ -41,7 +41,6 @@ class PromptEchoRunner(FakeRunner):
         super().__init__([[] for _ in range(n_seqs)], n_ctx, args.step_ms, args.row_ms)
         self.gguf, self.vocab_size = gguf, vocab
         self.ledger = KVLedger(n_seqs, n_ctx, vocab)
-        self.kv_size = self.ledger.kv_size
         self.seq_len = self.ledger.seq_len
         self.dtype, self.weight_format, self.max_step_rows = torch.float32, "float", None
         self.host_s, self.release_s, self.miss, self.newline = (args.host_us / 1e6, args.release_us / 1e6,

@@ -66,7 +66,6 @@ class FakeRunner:
         self.n_seqs, self.n_ctx, self.vocab_size = n_seqs, n_ctx, vocab
         self.ledger = KVLedger(n_seqs, n_ctx, vocab, kv_size or None)
         self.seq_len = self.ledger.seq_len
-        self.kv_size = self.ledger.kv_size
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.weight_format, self.max_step_rows = "float", None
         self.gguf = type("G", (), {"path": Path("fake.gguf"), "metadata": {"general.architecture": "fake"}})()

@@ -103,14 +103,14 @@ def test_ledger_refuses_a_step_the_pool_cannot_hold_and_changes_nothing() -> Non
     batch = Batch()
     batch.add_sequence(list(range(20)), 0, 0, "last")
     admitted = ledger.admit(batch, None)
-    assert admitted.slots == ledger.blocks.slots(0, 0, 20) and ledger.free_blocks() == 0
+    assert admitted.slots == ledger.blocks.slots(0, 0, 20) and ledger.blocks.free == 0
     more = Batch()
     more.add_sequence([1, 2], 0, 1, "last")
     with pytest.raises(KVCacheFull, match="KV cache is full"):
         ledger.admit(more, None)
-    assert ledger.seq_len == [20, 0] and ledger.free_blocks() == 0
+    assert ledger.seq_len == [20, 0] and ledger.blocks.free == 0
     ledger.truncate(0, 16)  # gives the second block back
-    assert ledger.free_blocks() == 1
+    assert ledger.blocks.free == 1
     ledger.admit(more, None)
     with pytest.raises(SpecserveError, match="context size"):  # a sequence's own limit still holds
         big = Batch()
@@ -125,9 +125,9 @@ def test_a_shared_prefix_is_held_once_and_copied_on_write() -> None:
     ledger.admit(batch, None)
     ledger.copy(0, 1)
     ledger.truncate(1, 36)
-    assert ledger.free_blocks() == 1  # three blocks, held by both sequences
+    assert ledger.blocks.free == 1  # three blocks, held by both sequences
     step = Batch()
     step.add_sequence([7], 36, 1, "last")  # into the shared third block: sequence 1 gets its own copy of it
     admitted = ledger.admit(step, None)
     assert admitted.copies == [(ledger.blocks.tables[0][2], ledger.blocks.tables[1][2])]
-    assert ledger.blocks.tables[0][:2] == ledger.blocks.tables[1][:2] and ledger.free_blocks() == 0
+    assert ledger.blocks.tables[0][:2] == ledger.blocks.tables[1][:2] and ledger.blocks.free == 0

@@ -24,7 +24,7 @@ from specserve.engine.runner import Runner
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Plan
 from specserve.model.batch import common_prefix
-from specserve.model.kv_ledger import KVLedger
+from specserve.model.kv_blocks import BlockTable
 
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
 
@@ -41,9 +41,9 @@ class KVRoom:
     """The free blocks left to the step being planned. With more free than any step takes (`most_blocks`), the
     rows are not counted: the step path pays for the pool's accounting only when it is nearly full."""
 
-    def __init__(self, ledger: KVLedger, most: int):
-        self.ledger = ledger
-        self.free = ledger.free_blocks()
+    def __init__(self, blocks: BlockTable, most: int):
+        self.blocks = blocks
+        self.free = blocks.free
         self.plenty = self.free >= most
 
     def grow(self, seq: int, start: int, have: int, want: int) -> int:
@@ -51,13 +51,10 @@ class KVRoom:
         (taking their blocks)."""
         if self.plenty:
             return want
-        base = self.ledger.need(seq, start, start + have)
-        n = min(want, self.ledger.blocks.positions_within(seq, start, self.free + base))
-        self.free -= self.ledger.need(seq, start, start + n) - base
+        base = self.blocks.need(seq, start, start + have)
+        n = min(want, self.blocks.positions_within(seq, start, self.free + base))
+        self.free -= self.blocks.need(seq, start, start + n) - base
         return n
-
-    def take(self, seq: int, start: int, end: int) -> bool:
-        return self.grow(seq, start, 0, end - start) == end - start
 
 
 class SlotMemory:
@@ -75,18 +72,22 @@ class SlotMemory:
         cache whose blocks running slots hold too frees nothing, and is kept)."""
         if room.plenty or room.free >= need:
             return
-        ledger = self.runner.ledger
-        tables = ledger.blocks.tables
+        tables = room.blocks.tables
         busy = {b for s in self.slots if s.handle is not None for b in tables[s.id]}
-        idle: list[Slot | HeldPrefix] = [s for s in (*self.slots, *self.held)
-                                         if s.handle is None and not busy.issuperset(tables[s.id])]
-        for seq in sorted(idle, key=lambda s: s.last_used):
-            before = ledger.free_blocks()
+        idle: list[Slot | HeldPrefix] = [*(s for s in self.slots if s.handle is None), *self.held]
+        for seq in sorted((s for s in idle if not busy.issuperset(tables[s.id])), key=lambda s: s.last_used):
+            before = room.blocks.free
             self.runner.kv_truncate(seq.id, 0)
             seq.cache = []
-            room.free += ledger.free_blocks() - before
+            room.free += room.blocks.free - before
             if room.free >= need:
                 return
+
+    def _fit(self, room: KVRoom, seq: int, start: int, want: int) -> int:
+        """How many of `want` rows from position `start` fit (taking their blocks), idle caches given up for them
+        where the room is short."""
+        self._evict_idle(room, 0 if room.plenty else room.blocks.need(seq, start, start + want))
+        return room.grow(seq, start, 0, want)
 
     def _plan_reading(self, plan: Plan, chained: set[int], room: KVRoom) -> None:
         """Prompt chunks (and preempted slots' tokens read again) share what is left of n_batch, but always get a
@@ -94,7 +95,6 @@ class SlotMemory:
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
         reading = sorted((s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
                           and s.handle is not None and s.id not in chained), key=lambda s: s.t_start)
-        generating = sum(s.state == SlotState.GENERATING for s in self.slots)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         for slot in reading:
             replay = slot.state == SlotState.RESUMING
@@ -103,17 +103,16 @@ class SlotMemory:
             if budget <= 0 or start >= len(tokens):
                 continue
             want = min(budget, len(tokens) - start)
-            ledger = self.runner.ledger
             if not room.plenty and not replay and start == slot.n_cached:
                 # A prompt starts only where all of it fits beside a block for each generating slot: one that
                 # could not finish would be preempted again and again (its chunks read in vain).
-                whole = ledger.need(slot.id, start, len(tokens)) + generating
+                whole = (room.blocks.need(slot.id, start, len(tokens))
+                         + sum(s.state == SlotState.GENERATING for s in self.slots))
                 self._evict_idle(room, whole)
                 waiting = waiting or room.free < whole
                 if waiting:
                     continue
-            self._evict_idle(room, ledger.need(slot.id, start, start + want))
-            n = room.grow(slot.id, start, 0, want)
+            n = self._fit(room, slot.id, start, want)
             if n == 0:
                 continue
             plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
@@ -124,13 +123,7 @@ class SlotMemory:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""
         if room.plenty:
             return []
-        starved = []
-        for slot, position in rows:
-            if not room.take(slot.id, position, position + 1):
-                self._evict_idle(room, self.runner.ledger.need(slot.id, position, position + 1))
-                if not room.take(slot.id, position, position + 1):
-                    starved.append(slot)
-        return starved
+        return [slot for slot, position in rows if self._fit(room, slot.id, position, 1) == 0]
 
     def _preempt_youngest(self) -> Slot | None:
         """Preempt the most recently started running slot that holds KV (None: no slot does)."""

@@ -122,7 +122,6 @@ class LocalRunner:
                       and triton_enabled(weights.embed))
         self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size, kv_size, BLOCK_SIZE)
         self.seq_len = self.ledger.seq_len  # (the same list)
-        self.kv_size = self.ledger.kv_size
         # With graphs, a scratch block (through a scratch table row) absorbs the writes of padding rows.
         self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=self.ledger.blocks.n_blocks,
                           n_seqs=n_seqs, n_ctx=self.n_ctx, block_size=BLOCK_SIZE, dtype=self.dtype, device=self.device,

@@ -32,9 +32,8 @@ class Step(Protocol):
 class Runner(Protocol):
     n_seqs: int  # KV sequences (one per slot)
     n_ctx: int  # the most positions one sequence may hold
-    kv_size: int  # positions of the paged pool all sequences share
     seq_len: list[int]  # KV entries kept per sequence
-    ledger: KVLedger  # lengths and block tables, kept on the host: what a step may take of the pool
+    ledger: KVLedger  # lengths, block tables and the pool's size (kv_size), kept on the host
     device: torch.device
 
     @property

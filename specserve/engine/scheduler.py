@@ -69,7 +69,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             raise SpecserveError(f"{n_slots} slots do not fit a runner of {runner.n_seqs} sequences")
         self.slots = [Slot(i) for i in range(n_slots)]
         self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
-        self.counters = SchedulerCounters(kv_capacity=runner.kv_size)  # kv_tokens: counters_snapshot
+        self.counters = SchedulerCounters(kv_capacity=runner.ledger.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
@@ -313,7 +313,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         are preempted where a generating slot or, with none generating, every reading one finds no room."""
         if TRACE is not None:
             TRACE.planning()
-        room = KVRoom(self.runner.ledger, self._most_blocks)
+        room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
         fed = [e for e in in_flight or () if not e.prompt or e.final]
         chained = {e.slot.id for e in fed}
         decoding = [s for s in self.slots
@@ -328,7 +328,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
                 decoding = [s for s in decoding if s not in starved]
                 break
             decoding = [s for s in decoding if s is not victim]
-            room = KVRoom(self.runner.ledger, self._most_blocks)
+            room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
             starved = self._reserve(room, [(s, len(s.cache)) for s in decoding])
         plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.

@@ -91,7 +91,7 @@ class SlotJobs:
         try:
             return work(slot)
         except KVCacheFull:
-            self._evict_idle(KVRoom(self.runner.ledger, most=1 << 62), 1 << 62)
+            self._evict_idle(KVRoom(self.runner.ledger.blocks, most=1 << 62), 1 << 62)
             return work(slot)
 
     def _fail_jobs(self, message: str) -> None:

@@ -102,7 +102,6 @@ class HeldPrefix:
     id: int
     cache: list[int] = field(default_factory=list)  # the tokens its sequence holds
     last_used: float = 0.0
-    handle: None = None  # (never runs a task: what eviction asks of slots and held prefixes alike)
 
 
 @dataclass

@@ -106,10 +106,6 @@ class BlockTable:
         for b in self.tables[dst]:
             self.refs[b] += 1
 
-    def held_alone(self, seq: int) -> int:
-        """Blocks that truncating the sequence to nothing would free (those no other sequence holds)."""
-        return sum(self.refs[b] == 1 for b in self.tables[seq])
-
     def _take(self) -> int:
         block = self._free.pop()
         self.refs[block] = 1

@@ -117,13 +117,6 @@ class KVLedger:
         self.blocks.share(src, dst)
         self.seq_len[dst] = self.seq_len[src]
 
-    def free_blocks(self) -> int:
-        return self.blocks.free
-
-    def need(self, seq: int, start: int, end: int) -> int:
-        """Free blocks writing positions [start, end) of seq would take."""
-        return self.blocks.need(seq, start, end)
-
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seqs:
             raise SpecserveError(f"sequence id {seq} out of range (0..{self.n_seqs - 1})")

@@ -141,7 +141,6 @@ class RemoteRunner:
         self.file_bytes = info["file_bytes"]
         self.ledger = KVLedger(self.n_seqs, self.n_ctx, self.vocab_size, info["kv_size"])
         self.seq_len = self.ledger.seq_len
-        self.kv_size = self.ledger.kv_size
 
     def _drop(self) -> None:
         if self._sock is not None:

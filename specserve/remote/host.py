@@ -299,7 +299,8 @@ class Connection:
         self.runner = runner
         rows = runner.max_step_rows
         self._queue(encode_reply(
-            cmd, rid, n_seqs=runner.n_seqs, n_ctx=runner.n_ctx, kv_size=runner.kv_size, vocab_size=runner.vocab_size,
+            cmd, rid, n_seqs=runner.n_seqs, n_ctx=runner.n_ctx, kv_size=runner.ledger.kv_size,
+            vocab_size=runner.vocab_size,
             max_step_rows=-1 if rows is None else rows, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."), weight_format=runner.weight_format,
             path=str(gguf.path), metadata=metadata, weights_bytes=runner.memory_info()["weights_bytes"],

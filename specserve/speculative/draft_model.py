@@ -114,19 +114,19 @@ def _room(requests: list[ProposeAsk], live: list[int], spans: list[tuple[int, li
     """Whether the draft runner's pool holds what these asks evaluate (their new tokens and drafts but the last),
     after giving up the caches of the sequences not asking."""
     runner = requests[live[0]][0].runner
-    ledger = runner.ledger
+    blocks = runner.ledger.blocks
     asking = {requests[i][0].seq for i in live}
 
     def need() -> int:
-        return sum(ledger.need(requests[i][0].seq, keep, len(context) + requests[i][3] - 1)
+        return sum(blocks.need(requests[i][0].seq, keep, len(context) + requests[i][3] - 1)
                    for i, (keep, context) in zip(live, spans, strict=True))
 
     for seq in range(len(runner.seq_len)):
-        if need() <= ledger.free_blocks():
+        if need() <= blocks.free:
             return True
         if seq not in asking and runner.seq_len[seq] > 0:
             runner.kv_truncate(seq, 0)
-    return need() <= ledger.free_blocks()
+    return need() <= blocks.free
 
 
 DraftModelSpeculator.propose_together = staticmethod(draft_together)  # type: ignore[assignment]
