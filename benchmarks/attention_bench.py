@@ -28,13 +28,13 @@ def measure(ctx: int, rows: int, shuffled: bool) -> float:
     blocks = -(-ctx // BLOCK_SIZE)
     order = torch.randperm(rows * blocks) if shuffled else torch.arange(rows * blocks)
     table = order.view(rows, blocks).int().cuda()
-    k = torch.randn(rows * blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    k = torch.randn(rows * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     positions = torch.full((rows,), ctx - 1, device="cuda")
     seq_ids = torch.arange(rows, device="cuda")
-    return graph_us(lambda: attention_triton.attention(q, k, v, positions, seq_ids, table, BLOCK_SIZE,
-                                                       HEAD_DIM ** -0.5), calls=1, reps=50)
+    return graph_us(lambda: attention_triton.attention(q, k, v, positions, seq_ids, table, HEAD_DIM ** -0.5),
+                    calls=1, reps=50)
 
 
 def main() -> None:

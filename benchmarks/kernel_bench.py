@@ -233,7 +233,7 @@ def fused_call(name: str, m: int, qs: Rotation, k: int) -> Callable[[dict[str, i
     rope = None
     if "rope" in what:
         cos, sin = rope_cos_sin(CFG.head_dim, CFG.rope_base, 1024, device=DEV)
-        caches = torch.zeros(2, 2048, CFG.n_kv_heads, CFG.head_dim, device=DEV, dtype=torch.bfloat16)
+        caches = torch.zeros(2, 128, CFG.n_kv_heads, 16, CFG.head_dim, device=DEV, dtype=torch.bfloat16)
         pos = torch.arange(600, 600 + m, device=DEV)
         rope = RopeWrite(cos, sin, pos, pos + 1024, caches[0], caches[1], CFG.n_heads, CFG.n_kv_heads,
                          CFG.rope_style)

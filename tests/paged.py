@@ -11,17 +11,11 @@ import torch.nn.functional as F
 
 @dataclass
 class PagedCache:
-    k: torch.Tensor  # [n_slots, n_kv, dim]
+    k: torch.Tensor  # [n_blocks, n_kv, block_size, dim]
     v: torch.Tensor
     table: torch.Tensor  # int32 [n_seqs, blocks a sequence]
-    block_size: int
     dense_k: torch.Tensor  # [n_seqs, n_kv, blocks * block_size, dim]
     dense_v: torch.Tensor
-
-    def slots(self, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The pool slot of each (sequence, position)."""
-        blocks = self.table.long()[seq_ids, positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
 
 
 def paged_cache(n_seqs: int, n_kv: int, ctx: int, dim: int, gen: torch.Generator, block_size: int = 16,
@@ -30,14 +24,13 @@ def paged_cache(n_seqs: int, n_kv: int, ctx: int, dim: int, gen: torch.Generator
     n_blocks = -(-ctx // block_size)
     table = torch.randperm(n_seqs * n_blocks + 1, generator=gen)[: n_seqs * n_blocks].view(n_seqs, n_blocks)
     dense = [torch.randn(n_seqs, n_kv, n_blocks * block_size, dim, generator=gen) for _ in range(2)]
-    pools = [torch.zeros((n_seqs * n_blocks + 1) * block_size, n_kv, dim) for _ in range(2)]
+    pools = [torch.zeros(n_seqs * n_blocks + 1, n_kv, block_size, dim) for _ in range(2)]
     for s in range(n_seqs):
         for b in range(n_blocks):
-            rows = slice(int(table[s, b]) * block_size, (int(table[s, b]) + 1) * block_size)
             for pool, d in zip(pools, dense, strict=True):
-                pool[rows] = d[s, :, b * block_size:(b + 1) * block_size].transpose(0, 1)
+                pool[int(table[s, b])] = d[s, :, b * block_size:(b + 1) * block_size]
     k, v = (p.to(device, dtype) for p in pools)
-    return PagedCache(k, v, table.int().to(device), block_size, *(d.to(device, dtype) for d in dense))
+    return PagedCache(k, v, table.int().to(device), *(d.to(device, dtype) for d in dense))
 
 
 def dense_attention(q: torch.Tensor, cache: PagedCache, positions: torch.Tensor, seq_ids: torch.Tensor,

@@ -44,7 +44,7 @@ def test_rope_and_cache(style: str, dim: int, rope_dim: int, tokens: int) -> Non
     cos, sin = rope.rope_cos_sin(rope_dim, 10000.0, ctx)
     positions = torch.tensor([3, 4, 5, 0, 17])[-tokens:]
     slots = torch.tensor([50, 51, 52, 7, 113])[-tokens:]
-    caches = [torch.randn(3 * ctx, n_kv, dim, generator=gen) for _ in range(2)]
+    caches = [torch.randn(3 * ctx // 8, n_kv, 8, dim, generator=gen) for _ in range(2)]  # blocks of 8 positions
     ref_caches = [c.clone() for c in caches]
     assert cpu_ops.rope_takes(q, k, v, positions, slots, *caches)
     ours = cpu_ops.rope_and_cache(q, k, v, cos, sin, positions, slots, *caches, style)
@@ -63,8 +63,8 @@ def test_attention(dim: int, n_heads: int, n_kv: int) -> None:
     runs = [(0, 0, 4, 14), (1, 4, 5, 251)]
     q = torch.randn(5, n_heads, dim, generator=gen)
     assert cpu_ops.attention_takes(q, cache.k, cache.v, positions, seq_ids, cache.table)
-    ours = cpu_ops.attention(q, cache.k, cache.v, positions, seq_ids, cache.table, 16, dim**-0.5)
-    ref = attention.attention_ref(q, cache.k, cache.v, positions, seq_ids, cache.table, 16, runs, dim**-0.5)
+    ours = cpu_ops.attention(q, cache.k, cache.v, positions, seq_ids, cache.table, dim**-0.5)
+    ref = attention.attention_ref(q, cache.k, cache.v, positions, cache.table, runs, dim**-0.5)
     assert _rel(ours, ref) < 1e-5
     assert _rel(ref, dense_attention(q, cache, positions, seq_ids, dim**-0.5)) < 1e-5
 
@@ -94,9 +94,9 @@ def test_a_row_is_the_same_in_any_batch() -> None:
     c = paged_cache(2, n_kv, ctx, dim, gen)
     q = torch.randn(7, n_heads, dim, generator=gen)
     positions, seq_ids = torch.tensor([5, 6, 7, 8, 9, 10, 40]), torch.tensor([0, 0, 0, 0, 0, 0, 1])
-    batch = cpu_ops.attention(q, c.k, c.v, positions, seq_ids, c.table, 16, 0.125)
+    batch = cpu_ops.attention(q, c.k, c.v, positions, seq_ids, c.table, 0.125)
     for t in range(7):
-        alone = cpu_ops.attention(q[t : t + 1], c.k, c.v, positions[t : t + 1], seq_ids[t : t + 1], c.table, 16, 0.125)
+        alone = cpu_ops.attention(q[t : t + 1], c.k, c.v, positions[t : t + 1], seq_ids[t : t + 1], c.table, 0.125)
         assert torch.equal(alone[0], batch[t])
     x, res, w = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen), torch.rand(576) + 0.5
     out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-5)

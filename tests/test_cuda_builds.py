@@ -146,7 +146,7 @@ def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatc
 
     heads, kv, head_dim, k = 4, 2, 64, 256
     wqkv = weight((heads + 2 * kv) * head_dim, k, 4, 32, 15)
-    caches = torch.zeros(2, 8, kv, head_dim, dtype=torch.bfloat16)
+    caches = torch.zeros(2, 1, kv, 8, head_dim, dtype=torch.bfloat16)
     cos = torch.zeros(8, head_dim // 2)
     norm = (torch.ones(k, dtype=torch.bfloat16), 1e-6)
     for clusters in (False, True):

@@ -61,7 +61,7 @@ def test_rope_and_cache(style: str, n_heads: int, n_kv: int, head_dim: int, head
     cos, sin = rope_cos_sin(head_dim, 10000.0, ctx, device=DEVICE)
     positions = torch.randperm(ctx, device=DEVICE)[:n_tok]
     slots = torch.randperm(n_seqs * ctx, device=DEVICE)[:n_tok]  # anywhere in the pool
-    kv = torch.randn(2, 2, n_seqs * ctx, n_kv, head_dim, device=DEVICE).to(DTYPE)  # [layer, k/v, slot, ...]
+    kv = torch.randn(2, 2, n_seqs * ctx // 8, n_kv, 8, head_dim, device=DEVICE).to(DTYPE)  # blocks of 8 positions
     kv_ref = kv.clone()
     norms = (torch.rand(head_dim, device=DEVICE) + 0.5, torch.rand(head_dim, device=DEVICE) + 0.5, 1e-6)
     got_q = rope_triton.rope_and_cache(q, k, v, cos, sin, positions, slots, kv[1, 0], kv[1, 1], style,
@@ -95,7 +95,7 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     pos_t = torch.tensor(positions, device=DEVICE)
     seq_t = torch.tensor(seq_ids, device=DEVICE)
     scale = head_dim ** -0.5
-    got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, block_size, scale)
+    got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, scale)
     assert rel_err(got, dense_attention(q, cache, pos_t, seq_t, scale)) < TOL
 
 
@@ -373,7 +373,7 @@ def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n
         rope = RopeWrite(cos, sin, positions[rows], slots[rows], caches[0], caches[1], n_heads, n_kv, style)
         return linear_fused(x[rows], w, bias, norm=norm, rope=rope)
 
-    singles_kv = torch.zeros(2, n_seqs * ctx, n_kv, head_dim, device=DEVICE, dtype=DTYPE)
+    singles_kv = torch.zeros(2, n_seqs * ctx // 16, n_kv, 16, head_dim, device=DEVICE, dtype=DTYPE)
     singles = torch.cat([fused(slice(i, i + 1), singles_kv) for i in range(20)])
     for rows in (1, 5, 16, 20):
         caches = torch.zeros_like(singles_kv)
@@ -480,7 +480,7 @@ def test_sixteen_row_slices_in_one_launch_match_their_own_launches(fold: str) ->
                                kernel="gemv_mma", swiglu_output=fold == "swiglu", norm=norm, add_to=add_to,
                                rope=rope)
 
-    caches = torch.zeros(2, n_seqs * ctx, n_kv, head_dim, device=DEVICE, dtype=DTYPE)
+    caches = torch.zeros(2, n_seqs * ctx // 16, n_kv, 16, head_dim, device=DEVICE, dtype=DTYPE)
     pieces_kv = torch.zeros_like(caches)
     whole = call(slice(0, rows), caches)
     pieces = torch.cat([call(slice(i, min(i + 16, rows)), pieces_kv) for i in range(0, rows, 16)])

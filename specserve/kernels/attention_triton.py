@@ -26,7 +26,7 @@ def split_len(ctx: int) -> int:
 
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
-                       stride_q_tok, stride_q_head, stride_c_slot, stride_c_head, stride_t,
+                       stride_q_tok, stride_q_head, stride_c_block, stride_c_head, stride_t,
                        KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                        N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -51,8 +51,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
-            slot = block * KV_BLOCK + n % KV_BLOCK
-            offs = slot[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
+            rows = block * stride_c_block + kv_head * stride_c_head + (n % KV_BLOCK) * HEAD_DIM
+            offs = rows[:, None] + d[None, :]
             k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -87,15 +87,17 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.co
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """q [N, H, D]; caches [n_slots, Hkv, D] (one layer), table int32 [seqs, blocks a sequence] -> out [N, H, D]."""
+              seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, H, D]; caches [n_blocks, Hkv, block_size, D] (one layer), table int32 [seqs, blocks a sequence]
+    -> out [N, H, D]."""
     n_rows, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[1]
+    n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
     ctx = table.shape[1] * block_size  # the most positions a sequence can hold
     split = split_len(ctx)
     n_splits = triton.cdiv(ctx, split)
-    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
+    assert k_cache.stride() == v_cache.stride()
     assert table.stride(1) == 1
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)

@@ -48,10 +48,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def rope_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """q, k, v: [tokens, heads, dim] views with contiguous heads and one row stride (the columns of one [q | k | v]
-    product), caches [slots, heads, dim] with contiguous heads, int64 positions and slots."""
+    product), caches [blocks, heads, block size, dim] with contiguous rows, int64 positions and slots."""
     dim, row = q.shape[-1], q.stride(0)
     views = all(t.stride(2) == 1 and t.stride(1) == dim and (t.stride(0) == row or t.shape[0] == 1) for t in (q, k, v))
-    caches = all(c.stride(2) == 1 and c.stride(1) == dim and c.stride() == k_cache.stride() for c in (k_cache, v_cache))
+    caches = _paged(k_cache, v_cache)
     ids = positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
     return views and caches and ids and takes(q, k, v, k_cache, v_cache)
 
@@ -67,13 +67,21 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     build.library().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
                                    dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                    slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                                   k_cache.stride(1), style == "neox", out.data_ptr())
+                                   k_cache.stride(1), k_cache.shape[2].bit_length() - 1, style == "neox",
+                                   out.data_ptr())
     return out
+
+
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), dim], contiguous."""
+    size = k_cache.shape[2]
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and \
+        size & (size - 1) == 0
 
 
 def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     seq_ids: torch.Tensor, table: torch.Tensor) -> bool:
-    caches = all(c.stride(2) == 1 and c.stride() == k_cache.stride() for c in (k_cache, v_cache))
+    caches = _paged(k_cache, v_cache)
     ids = positions.dtype == seq_ids.dtype == torch.int64 and positions.is_contiguous() and seq_ids.is_contiguous()
     heads = q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 256  # ops.c's per-group bound
     blocks = table.dtype == torch.int32 and table.is_contiguous() and table.device.type == "cpu"
@@ -81,17 +89,17 @@ def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+              seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
     """attention.attention_ref in one call (`attention_takes` first): row t attends to its sequence's
     positions 0..positions[t], found through its row of the block table."""
-    assert block_size & (block_size - 1) == 0, "the C loops take blocks of a power of two"
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
     if build.library().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, k_cache.data_ptr(),
                                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), positions.data_ptr(),
-                                     seq_ids.data_ptr(), table.data_ptr(), table.shape[1], block_size.bit_length() - 1,
-                                     scale, out.data_ptr(), torch.get_num_threads()):
+                                     seq_ids.data_ptr(), table.data_ptr(), table.shape[1],
+                                     k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
+                                     torch.get_num_threads()):
         raise MemoryError("CPU attention could not allocate its scores")
     return out
 

@@ -142,8 +142,10 @@ def gemv(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input:
     assert not (swiglu_output or add_to is not None or rope is not None) or out_dtype == torch.bfloat16
     if rope is not None:
         assert not swiglu_output and add_to is None and n_out == (rope.n_heads + 2 * rope.n_kv_heads) * rope.head_dim
-        assert rope.head_dim % 16 == 0 and 2 * rope.cos.shape[-1] == rope.head_dim and rope.k_cache.stride(1) == \
-            rope.head_dim and rope.k_cache.stride(2) == 1 and rope.k_cache.stride() == rope.v_cache.stride()
+        c = rope.k_cache  # [blocks, kv heads, block size (a power of two), head_dim]
+        assert rope.head_dim % 16 == 0 and 2 * rope.cos.shape[-1] == rope.head_dim
+        assert c.stride(2) == rope.head_dim and c.stride(3) == 1 and c.stride() == rope.v_cache.stride()
+        assert c.shape[2] & (c.shape[2] - 1) == 0
         n_out = rope.n_heads * rope.head_dim
     if swiglu_output:
         assert bias is None and add_to is None and n_out % 16 == 0
@@ -241,7 +243,7 @@ def _launch_mma(x2: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, sil
     built = build.kernel(key, (lambda rows: key) if experts else (lambda rows: variant(rows)[0]))
     norm_w, eps = norm if norm is not None else (x2, 0.0)
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # fp32 bits: the launcher passes floats as double
-    no_rope = [x2, x2, x2, x2, x2, x2, 0, 0, 0, 0]
+    no_rope = [x2, x2, x2, x2, x2, x2, 0, 0, 0, 0, 0]
     extra = [cg, row_bytes, norm_w, eps_bits, *(rope.args() if rope is not None else no_rope)]
     assert smem <= block_shapes.MMA_SMEM_BYTES, "activations too wide to stage"
     args = [x2, w.words, w.sm, bias if bias is not None else x2, out, n_out, k, x2.stride(0), *extra,

@@ -50,11 +50,13 @@ def rope_and_cache_ref(
 ) -> torch.Tensor:
     """Rotate q and k [tokens, heads, dim], store k and v at each token's pool slot; return rotated q.
 
-    Caches are [n_slots, n_kv_heads, head_dim] (one layer of model/kv_cache.py's pool).
+    Caches are [n_blocks, n_kv_heads, block_size, head_dim] (one layer of model/kv_cache.py's pool).
     """
     cos, sin = cos_table[positions], sin_table[positions]
-    k_cache[slots] = apply_rope(k, cos, sin, style)
-    v_cache[slots] = v
+    size = k_cache.shape[2]
+    blocks, offsets = torch.div(slots, size, rounding_mode="floor"), slots % size
+    k_cache[blocks, :, offsets] = apply_rope(k, cos, sin, style)
+    v_cache[blocks, :, offsets] = v
     return apply_rope(q, cos, sin, style)
 
 
@@ -85,7 +87,7 @@ class RopeWrite:
     sin: torch.Tensor
     positions: torch.Tensor  # long [rows]
     slots: torch.Tensor  # long [rows]: where each row's k and v go
-    k_cache: torch.Tensor  # one layer's [n_slots, n_kv_heads, head_dim]
+    k_cache: torch.Tensor  # one layer's [n_blocks, n_kv_heads, block_size, head_dim]
     v_cache: torch.Tensor
     n_heads: int
     n_kv_heads: int
@@ -101,4 +103,4 @@ class RopeWrite:
     def args(self) -> list:
         c = self.k_cache
         return [self.positions, self.slots, self.cos, self.sin, c, self.v_cache, self.n_heads, self.n_kv_heads,
-                c.stride(0), c.stride(1)]
+                c.stride(0), c.stride(1), c.shape[2].bit_length() - 1]

@@ -1,9 +1,11 @@
 """Paged KV memory, device side: the pool every sequence's K/V rows live in, and the block tables the
 attention kernels read (the host's accounting is kv_blocks.py / kv_ledger.py).
 
-The pool is [n_layers, 2 (K/V), n_slots, n_kv_heads, head_dim]: one slot per position of a block, so a row's
-K/V is written at its slot (block * block_size + offset) and a sequence's keys are gathered through its table
-row [blocks a sequence]. The device's table learns each block a step writes from that step's own rows
+The pool is [n_layers, 2 (K/V), n_blocks, n_kv_heads, block_size, head_dim]: within a block each head's rows
+are contiguous, so attention reads a head's keys in runs of a block rather than one row between the other
+heads' (docs/perf.md has what that is worth on the CPU). A row's K/V goes to its slot: block
+slot // block_size, offset slot % block_size. A sequence's keys are found through its table row [blocks a
+sequence]. The device's table learns each block a step writes from that step's own rows
 (`KVStep.note_rows`, inside the forward and so inside a CUDA graph): no separate upload on the step path.
 Blocks a sequence gets without writing them (a shared prefix, a restored slot) are entered by `set_table`.
 """
@@ -22,20 +24,15 @@ from specserve.model.kv_blocks import blocks_for
 class KVStep:
     """The KV cache as one step's layers see it."""
 
-    pool: torch.Tensor  # [n_layers, 2, n_slots, n_kv_heads, head_dim]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, K and V [n_blocks, n_kv_heads, block_size, dim]
     table: torch.Tensor  # int32 [sequences, blocks a sequence]: pool block of each of a sequence's blocks
-    block_size: int
     slots: torch.Tensor  # long [rows]: the pool slot each row's K/V goes to
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V caches, [n_slots, n_kv_heads, head_dim] each."""
-        return self.pool[i, 0], self.pool[i, 1]
 
     def note_rows(self, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
         """Enter the block each row writes into its sequence's table (rows of one block agree)."""
-        width = self.table.shape[1]
-        index = seq_ids * width + torch.div(positions, self.block_size, rounding_mode="floor")
-        blocks = torch.div(self.slots, self.block_size, rounding_mode="floor").to(self.table.dtype)
+        size = self.layers[0][0].shape[2]
+        index = seq_ids * self.table.shape[1] + torch.div(positions, size, rounding_mode="floor")
+        blocks = torch.div(self.slots, size, rounding_mode="floor").to(self.table.dtype)
         self.table.view(-1).index_copy_(0, index, blocks)
 
 
@@ -47,10 +44,11 @@ class PagedKV:
                  block_size: int, dtype: torch.dtype, device: torch.device, scratch: bool = False):
         self.block_size = block_size
         self.scratch_block = n_blocks
-        self.pool = torch.zeros((n_layers, 2, (n_blocks + int(scratch)) * block_size, n_kv_heads, head_dim),
+        self.pool = torch.zeros((n_layers, 2, n_blocks + int(scratch), n_kv_heads, block_size, head_dim),
                                 dtype=dtype, device=device)
         self.table = torch.full((n_seqs + int(scratch), blocks_for(n_ctx, block_size)), n_blocks if scratch else 0,
                                 dtype=torch.int32, device=device)
+        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(n_layers)]  # views made once, not per step
 
     @property
     def scratch_slot(self) -> int:
@@ -61,27 +59,28 @@ class PagedKV:
         return self.pool.numel() * self.pool.element_size()
 
     def step(self, slots: torch.Tensor) -> KVStep:
-        return KVStep(self.pool, self.table, self.block_size, slots)
+        return KVStep(self.layers, self.table, slots)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy each (source, destination) block's rows, every layer (copy on write; queued in stream order)."""
-        if not pairs:
-            return
-        b = self.block_size
-        src = torch.tensor([s * b + i for s, _ in pairs for i in range(b)]).to(self.pool.device)
-        dst = torch.tensor([d * b + i for _, d in pairs for i in range(b)]).to(self.pool.device)
-        self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
+        """Copy each (source, destination) block, every layer (copy on write; queued in stream order)."""
+        if pairs:
+            src, dst = (torch.tensor(ids).to(self.pool.device) for ids in zip(*pairs, strict=True))
+            self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
 
     def set_table(self, seq: int, blocks: Sequence[int]) -> None:
         if blocks:
             self.table[seq, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
 
+    def _where(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(list(slots), dtype=torch.long).to(self.pool.device)
+        return torch.div(index, self.block_size, rounding_mode="floor"), index % self.block_size
+
     def read(self, slots: Sequence[int]) -> torch.Tensor:
         """The rows at these slots on the CPU: [n_layers, 2, n_kv_heads, len(slots), head_dim]."""
-        index = torch.tensor(list(slots), dtype=torch.long).to(self.pool.device)
-        return self.pool.index_select(2, index).transpose(2, 3).to("cpu", copy=True)
+        blocks, offsets = self._where(slots)
+        return self.pool[:, :, blocks, :, offsets].permute(1, 2, 3, 0, 4).to("cpu", copy=True)
 
     def write(self, slots: Sequence[int], kv: torch.Tensor) -> None:
         """kv [n_layers, 2, n_kv_heads, len(slots), head_dim] into these slots."""
-        index = torch.tensor(list(slots), dtype=torch.long).to(self.pool.device)
-        self.pool.index_copy_(2, index, kv.transpose(2, 3).to(self.pool.device, self.pool.dtype))
+        blocks, offsets = self._where(slots)
+        self.pool[:, :, blocks, :, offsets] = kv.permute(3, 0, 1, 2, 4).to(self.pool.device, self.pool.dtype)

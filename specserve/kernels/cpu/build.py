@@ -88,7 +88,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "q_gemv_i8": (i32, [ptr] * 5 + [i32] * 9),
         "q_i8_grouped": (i32, [i32]),
         "cpu_rms_norm": (None, [ptr] * 5 + [i32, i32, f32]),
-        "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 6 + [i64, i64, i32, ptr]),
+        "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 6 + [i64, i64, i32, i32, ptr]),
         "cpu_attention": (i32, [ptr, i32, i32, i32, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
         "cpu_silu_mul": (None, [ptr, ptr, i32, i32]),
     }

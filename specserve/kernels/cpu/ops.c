@@ -50,18 +50,19 @@ static void rotate(const float* src, float* dst, const float* c, const float* s,
 }
 
 // For each of T tokens (rows of a [q | k | v] product, row_stride floats apart): q's heads rotated into q_out
-// [T, n_heads, dim]; k's rotated and v's copied into the caches at (slots[t], head).
+// [T, n_heads, dim]; k's rotated and v's copied into the paged caches [blocks, heads, 1 << block_shift, dim] at
+// slot slots[t]: block slots[t] >> block_shift, row the slot's low bits.
 void cpu_rope_cache(const float* q, const float* k, const float* v, int64_t row_stride, int T, int n_heads,
                     int n_kv_heads, int dim, int half, const float* cos_table, const float* sin_table,
                     const int64_t* positions, const int64_t* slots, float* k_cache, float* v_cache,
-                    int64_t slot_stride, int64_t head_stride, int neox, float* q_out) {
+                    int64_t block_stride, int64_t head_stride, int block_shift, int neox, float* q_out) {
     for (int t = 0; t < T; ++t) {
         const int64_t pos = positions[t];
         const float* c = cos_table + pos * half;
         const float* s = sin_table + pos * half;
         for (int h = 0; h < n_heads; ++h)
             rotate(q + t * row_stride + h * dim, q_out + ((int64_t)t * n_heads + h) * dim, c, s, dim, half, neox);
-        const int64_t base = slots[t] * slot_stride;
+        const int64_t base = (slots[t] >> block_shift) * block_stride + (slots[t] & ((1 << block_shift) - 1)) * dim;
         for (int h = 0; h < n_kv_heads; ++h) {
             rotate(k + t * row_stride + h * dim, k_cache + base + h * head_stride, c, s, dim, half, neox);
             const float* vs = v + t * row_stride + h * dim;
@@ -80,7 +81,7 @@ typedef struct {
     const int32_t* table;  // [seqs, table_width]: pool block of each of a sequence's blocks
     float* out;
     int n_heads, n_kv_heads, dim, table_width, block_shift;  // a block holds 1 << block_shift positions
-    int64_t slot_stride, head_stride;
+    int64_t block_stride, head_stride;
     float scale;
     int failed;  // a thread could not allocate its scores
 } attention_job;
@@ -89,8 +90,8 @@ static __thread float* score_buf = NULL;
 static __thread int64_t score_size = 0;
 
 // Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
-// sequence's positions 0..position, times v. Position j's row is at slot table[seq][j >> shift] << shift | j's
-// offset in its block: the loops walk a block's rows at a time. The group's heads share each load of a key and a value row (the
+// sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift], whose
+// rows of one head are contiguous: the loops walk a block's rows at a time. The group's heads share each load of a key and a value row (the
 // cache is read once per kv head, not once per q head).
 // DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
 static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
@@ -115,13 +116,13 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
         const int bsize = 1 << a->block_shift;
         const int64_t head = (int64_t)kvh * a->head_stride;
         for (int j0 = 0; j0 < len; j0 += bsize) {
-            const float* kb = a->k_cache + ((int64_t)blocks[j0 >> a->block_shift] << a->block_shift) * a->slot_stride + head;
+            const float* kb = a->k_cache + (int64_t)blocks[j0 >> a->block_shift] * a->block_stride + head;
             const int jn = len - j0 < bsize ? len - j0 : bsize;
             for (int j = 0; j < jn; ++j) {
                 for (int g = 0; g < group; ++g) {
                     vf d = v_zero();
                     for (int i = 0; i < dim; i += VL) {
-                        const vf kj = v_load_n(kb + (int64_t)j * a->slot_stride + i, dim - i);
+                        const vf kj = v_load_n(kb + (int64_t)j * dim + i, dim - i);
                         d = v_fmadd(v_load_n(q + g * dim + i, dim - i), kj, d);
                     }
                     score_buf[(int64_t)g * len + j0 + j] = v_reduce_add(d) * a->scale;
@@ -148,11 +149,10 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                 const int gn = group - g0 < 8 ? group - g0 : 8;
                 for (int g = 0; g < gn; ++g) acc[g] = v_zero();
                 for (int j0 = 0; j0 < len; j0 += bsize) {
-                    const float* vb =
-                        a->v_cache + ((int64_t)blocks[j0 >> a->block_shift] << a->block_shift) * a->slot_stride + head;
+                    const float* vb = a->v_cache + (int64_t)blocks[j0 >> a->block_shift] * a->block_stride + head;
                     const int jn = len - j0 < bsize ? len - j0 : bsize;
                     for (int j = 0; j < jn; ++j) {
-                        const vf vj = v_load_n(vb + (int64_t)j * a->slot_stride + i, dim - i);
+                        const vf vj = v_load_n(vb + (int64_t)j * dim + i, dim - i);
                         for (int g = 0; g < gn; ++g)
                             acc[g] = v_fmadd(v_set1(score_buf[(int64_t)(g0 + g) * len + j0 + j]), vj, acc[g]);
                     }
@@ -174,17 +174,18 @@ static void attention_items(void* p, int start, int end) {
         attention_range(a, start, end, 0);
 }
 
-// out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the paged caches [slots, kv heads, dim]:
+// out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the paged caches
+// [blocks, kv heads, 1 << block_shift, dim]:
 // token t reads sequence seq_ids[t] at positions 0..positions[t] through its row of the block table; q head h reads
 // kv head h / (n_heads / n_kv_heads). Returns 0, or -1 when scratch for the scores could not be allocated (out is
 // then incomplete).
 int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, const float* k_cache,
-                  const float* v_cache, int64_t slot_stride, int64_t head_stride, const int64_t* positions,
+                  const float* v_cache, int64_t block_stride, int64_t head_stride, const int64_t* positions,
                   const int64_t* seq_ids, const int32_t* table, int table_width, int block_shift, float scale,
                   float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
     attention_job a = {q,       k_cache,    v_cache,    positions,   seq_ids,    table,       out,
-                       n_heads, n_kv_heads, dim,        table_width, block_shift, slot_stride, head_stride,
+                       n_heads, n_kv_heads, dim,        table_width, block_shift, block_stride, head_stride,
                        scale,   0};
     // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
     const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;

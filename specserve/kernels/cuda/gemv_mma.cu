@@ -113,16 +113,18 @@ __device__ __forceinline__ float4 load_cluster(const float* p, unsigned rank) {
 #endif
 #if ROPE
 // the cos and sin of rotation pair `pair` at token tok's position, and where that token's `head` goes:
-// the element offset of its dim 0 in out (a q head) or in the KV cache (k and v heads: at the token's pool slot)
+// the element offset of its dim 0 in out (a q head) or in the KV cache (k and v heads: block slot >> c_shift,
+// row slot's low c_shift bits of it)
 __device__ __forceinline__ void rope_target(int tok, int head, int pair, const long long* pos, const long long* slot,
                                             const float* cos_t, const float* sin_t, int n_q_heads, int n_kv_heads,
-                                            int c_slot, int c_head, float& c, float& s, u64& dst) {
+                                            int c_block, int c_head, int c_shift, float& c, float& s, u64& dst) {
     const long long p = pos[tok];
     c = cos_t[p * (ROPE_HD / 2) + pair];
     s = sin_t[p * (ROPE_HD / 2) + pair];
     const int kvh = head - n_q_heads;
     dst = head < n_q_heads ? (u64)tok * n_q_heads * ROPE_HD + head * ROPE_HD
-        : (u64)slot[tok] * c_slot + (u64)(kvh < n_kv_heads ? kvh : kvh - n_kv_heads) * c_head;
+        : (u64)(slot[tok] >> c_shift) * c_block + (u64)(kvh < n_kv_heads ? kvh : kvh - n_kv_heads) * c_head
+          + (u64)(slot[tok] & ((1 << c_shift) - 1)) * ROPE_HD;
 }
 #endif
 // where the k-th activation of a group is staged: lane t = (k % WPG) % 4 reads VPL of them, in the
@@ -145,7 +147,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     const bf16_t* __restrict__ bias, void* __restrict__ out, int N, int K, int stride_x, int CG, int row_bytes,
     const bf16_t* __restrict__ norm_w, int eps_bits, const long long* __restrict__ pos,
     const long long* __restrict__ slot, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_slot, int c_head,
+    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int n_q_heads, int n_kv_heads, int c_block,
+    int c_head, int c_shift,
     const long long* __restrict__ ids)
 {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -238,8 +241,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
     u64 rope_dst[NB][2];
 #pragma unroll
     for (int e = 0; e < 2; ++e)
-        rope_target(min(2 * t + e, M - 1), head, pair, pos, slot, cos_t, sin_t, n_q_heads, n_kv_heads, c_slot, c_head,
-                    rope_c[0][e], rope_s[0][e], rope_dst[0][e]);
+        rope_target(min(2 * t + e, M - 1), head, pair, pos, slot, cos_t, sin_t, n_q_heads, n_kv_heads, c_block,
+                    c_head, c_shift, rope_c[0][e], rope_s[0][e], rope_dst[0][e]);
 #endif
 
     for (int c0 = 0; c0 < n_groups; c0 += CG) {
@@ -464,7 +467,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) gemv_mma(
 #else
             float c, s;
             u64 dst_off;
-            rope_target(tok, head, pair, pos, slot, cos_t, sin_t, n_q_heads, n_kv_heads, c_slot, c_head, c, s, dst_off);
+            rope_target(tok, head, pair, pos, slot, cos_t, sin_t, n_q_heads, n_kv_heads, c_block, c_head, c_shift, c,
+                        s, dst_off);
 #endif
             // explicit roundings: every variant (row count) rotates alike, whatever the compiler would fuse
             const float r1 = __fmaf_rn(x1, c, __fmul_rn(-x2, s)), r2 = __fmaf_rn(x2, c, __fmul_rn(x1, s));
