@@ -4,9 +4,10 @@
 
 For each context and count of decode rows (one row per sequence, qwen2.5-coder-1.5b's heads: 12 query / 2 KV
 heads of 128), the kernel's GPU time (CUDA graph replays, median) with every sequence's blocks in order in the
-pool (as the fixed per-slot layout read them) and with the same blocks shuffled over the pool (as a long-running
-server's pool holds them), and the bandwidth that time gives for the K/V bytes the rows read. Prints a table,
-writes JSON (bench_output.py; default attention_bench.json in the cache's benchmarks folder).
+pool (as the fixed per-slot layout read them), with the same blocks shuffled over the pool (as a long-running
+server's pool holds them), and shuffled in a table as wide as a pool of --wide positions (what `-c` sets: the
+time must not follow it), and the bandwidth the shuffled time gives for the K/V bytes the rows read. Prints a
+table, writes JSON (bench_output.py; default attention_bench.json in the cache's benchmarks folder).
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from specserve.model.kv_blocks import BLOCK_SIZE
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 
 
-def measure(ctx: int, rows: int, shuffled: bool) -> float:
+def measure(ctx: int, rows: int, shuffled: bool, width: int = 0) -> float:
+    """width: positions the table spans (0: the context's own)."""
     blocks = -(-ctx // BLOCK_SIZE)
     order = torch.randperm(rows * blocks) if shuffled else torch.arange(rows * blocks)
-    table = order.view(rows, blocks).int().cuda()
+    table = order.view(rows, blocks).int()
+    if width > ctx:
+        table = torch.cat([table, torch.zeros(rows, -(-width // BLOCK_SIZE) - blocks, dtype=torch.int32)], dim=1)
+    table = table.cuda()
     k = torch.randn(rows * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
@@ -41,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,2048,8192,32768")
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--wide", type=int, default=1 << 20, help="positions of the wide table (a pool's -c)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -48,14 +54,17 @@ def main() -> None:
     for ctx in (int(c) for c in args.contexts.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             ordered, shuffled = measure(ctx, rows, False), measure(ctx, rows, True)
+            wide = measure(ctx, rows, True, args.wide)
             kv_bytes = rows * ctx * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             results.append({"context": ctx, "rows": rows, "in_order_us": round(ordered, 2),
                             "shuffled_us": round(shuffled, 2), "shuffled_over_in_order": round(shuffled / ordered, 3),
+                            "wide_us": round(wide, 2), "wide_over_shuffled": round(wide / shuffled, 3),
                             "shuffled_bandwidth_fraction": round(kv_bytes / (shuffled * 1e-6) / bandwidth, 3)})
     print_table(results, list(results[0]))
     write_json(output_path(args.output, "attention_bench.json"),
                {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-                "heads": [HEADS, KV_HEADS, HEAD_DIM], "block_size": BLOCK_SIZE, "results": results})
+                "heads": [HEADS, KV_HEADS, HEAD_DIM], "block_size": BLOCK_SIZE, "wide_positions": args.wide,
+                "results": results})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@
 # dependency wheels in .whl/ and the catalog models under $SPECSERVE_CACHE (../shared/models.md says how
 # to stage them), and the checkout on PYTHONPATH stands for the installed package.
 # SERVER_EXTRA: more `specserve serve` flags for serve and fidelity (e.g. --batch-invariant).
+# `smoke` runs first whenever the GPU machine is used (benchmarks/README.md): the GPU tests, one client on a small and
+# a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
-#   benchmarks/gpu_suite.sh [kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes]
+#   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
+#   paged mixes]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -21,6 +24,8 @@ steps="${*:-kernels bench spec graphs serve}"
 for step in $steps; do
     echo "=== $step ($(date +%T))"
     case "$step" in
+        smoke) timeout 580 python3 benchmarks/gpu_smoke.py -m $T --weight-format "${FORMAT}" --prompts "$SPECSERVE_WORKLOADS" \
+                   -o "$OUT/gpu_smoke_$FORMAT.json" 2>&1 | grep -v "^---" | tail -12 ;;
         kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 ;;
         bench) timeout 600 python3 -m specserve.cli bench -m $T --weight-format "$FORMAT" ${BENCH_ARGS:--md $D} \
                    -o "$OUT/bench_${T}_cuda$sfx.json" 2>&1 | grep -v "load:" | tail -22 ;;
@@ -65,6 +70,6 @@ for step in $steps; do
                     -o "$OUT/serve_${T}_cuda${sfx}_$mix.json" --server-args --weight-format "$FORMAT" \
                     ${SERVER_EXTRA:-} 2>&1 | tail -5
             done ;;
-        *) echo "unknown step: $step (kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes)" ;;
+        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes)" ;;
     esac
 done

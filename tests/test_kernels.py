@@ -1,7 +1,10 @@
 """Triton kernels against their torch references on fresh random inputs.
 
 Runs on CUDA (the GPU machine), or on the CPU under Triton's interpreter
-(TRITON_INTERPRET=1) where Triton is installed; skips cleanly elsewhere.
+(TRITON_INTERPRET=1) where Triton is installed; skips cleanly elsewhere. (The attention kernel's loop runs to
+a bound read on the device; Triton 3.6's interpreter turns that into a Python int with int() of a
+one-element array, which numpy 2 refuses: under the interpreter those tests need numpy < 2 or that line
+of triton/runtime/interpreter.py taking the array's single element.)
 """
 
 from __future__ import annotations
@@ -97,6 +100,24 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     scale = head_dim ** -0.5
     got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, scale)
     assert rel_err(got, dense_attention(q, cache, pos_t, seq_t, scale)) < TOL
+
+
+def test_attention_follows_the_rows_context_not_the_tables_width() -> None:
+    """A table as wide as a large pool (its tail pointing anywhere) gives the same bits as a tight one: a row reads
+    its own positions only, so its work and result follow its context, not the pool (-c)."""
+    from specserve.kernels import attention_triton
+
+    n_heads, n_kv, head_dim, ctx = 12, 2, 128, 300
+    cache = paged_cache(2, n_kv, ctx, head_dim, torch.Generator().manual_seed(7), 16, DTYPE, DEVICE)
+    wide = torch.randint(0, cache.k.shape[0], (2, 4096), dtype=torch.int32, device=DEVICE)  # 65,536 positions
+    wide[:, : cache.table.shape[1]] = cache.table
+    positions = torch.tensor([0, 63, 64, 299, 150, 17], device=DEVICE)
+    seq_ids = torch.tensor([0, 0, 0, 0, 1, 1], device=DEVICE)
+    q = torch.randn(len(positions), n_heads, head_dim, device=DEVICE).to(DTYPE)
+    scale = head_dim ** -0.5
+    tight = attention_triton.attention(q, cache.k, cache.v, positions, seq_ids, cache.table, scale)
+    assert torch.equal(attention_triton.attention(q, cache.k, cache.v, positions, seq_ids, wide, scale), tight)
+    assert rel_err(tight, dense_attention(q, cache, positions, seq_ids, scale)) < TOL
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 8960), (5, 96), (16, 1000)])

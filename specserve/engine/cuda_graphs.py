@@ -205,5 +205,5 @@ class GraphCache:
             return LaunchedStep(step.logits[: len(wanted)], step.argmax, len(wanted), done)
         if len(wanted) == n:
             return LaunchedStep(step.logits[:n], step.argmax, n, done)
-        index = torch.tensor(wanted, device=self.device)
+        index = torch.tensor(wanted, dtype=torch.long, device=self.device)  # (long even when empty: a chunk read again)
         return LaunchedStep(step.logits[index], step.argmax, len(wanted), done, rows=wanted)

@@ -2,10 +2,13 @@
 
 Every query row carries its own (sequence, position), so one launch serves any mix of
 decode rows and multi-token verify rows of many sequences, and the launch shape depends
-only on the row count: CUDA graphs can capture it. The context is cut into fixed splits;
-one program handles one (row, kv head, split) for all query heads of that kv head (GQA),
-and a second kernel merges the splits by their log-sum-exp. Each key's slot comes from its sequence's
-block table row (a gather of BLOCK_N table entries per inner step, from cache).
+only on the row count: CUDA graphs can capture it. Each row's context (its position + 1, read
+on the device) is cut into at most MAX_SPLITS splits of a whole number of key tiles; one program
+handles one (row, kv head, split) for all query heads of that kv head (GQA), and a second kernel
+merges a row's splits by their log-sum-exp. So a row's work follows its own context, never the
+pool's size or the table's width, and a row's result does not depend on the other rows (batch
+invariant). Each key's slot comes from its sequence's block table row (a gather of BLOCK_N table
+entries per inner step, from cache).
 """
 
 from __future__ import annotations
@@ -16,24 +19,21 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
-
-
-def split_len(ctx: int) -> int:
-    """Context positions per program: short (64) so a decode step at small batch spreads over
-    many programs (each one is latency-bound), longer only to keep at most MAX_SPLITS splits."""
-    return max(BLOCK_N, triton.next_power_of_2(triton.cdiv(ctx, MAX_SPLITS)))
+# A row of ctx positions takes splits of cdiv(ctx, MAX_SPLITS * BLOCK_N) key tiles: one tile (64 keys) up to 4,096
+# positions, so a short row at small batch still spreads over many programs (each one latency-bound).
 
 
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
                        stride_q_tok, stride_q_head, stride_c_block, stride_c_head, stride_t,
                        KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK: tl.constexpr):
+                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     pos = tl.load(pos_ptr + row)
-    start = split * SPLIT_LEN
+    tiles = tl.cdiv(pos + 1, N_SPLITS * BLOCK)  # this row's split length in key tiles
+    start = split * tiles * BLOCK
     if start <= pos:
         seq = tl.load(seq_ptr + row)
         g = tl.arange(0, GROUP_PAD)
@@ -46,8 +46,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        # A fixed trip count (masked past the row's position) keeps the loop shape static.
-        for i in range(0, SPLIT_LEN // BLOCK):
+        # The trip count is the row's own (read on the device), so graphs keep one launch shape for any context.
+        for i in range(0, tl.minimum(tiles, tl.cdiv(pos + 1 - start, BLOCK))):
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
@@ -70,10 +70,12 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
 
 @triton.jit
 def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_LEN: tl.constexpr):
+                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    n_valid = tl.load(pos_ptr + row) // SPLIT_LEN + 1  # splits past the row's position were never written
+    pos = tl.load(pos_ptr + row)
+    split_len = tl.cdiv(pos + 1, N_SPLITS * BLOCK) * BLOCK
+    n_valid = pos // split_len + 1  # splits past the row's position were never written
     i = tl.arange(0, SPLITS_PAD)
     valid = i < n_valid
     d = tl.arange(0, HEAD_DIM)
@@ -93,9 +95,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
-    ctx = table.shape[1] * block_size  # the most positions a sequence can hold
-    split = split_len(ctx)
-    n_splits = triton.cdiv(ctx, split)
+    n_splits = MAX_SPLITS  # the grid's bound: each row uses as many as its own context needs
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
     assert k_cache.stride() == v_cache.stride()
     assert table.stride(1) == 1
@@ -106,9 +106,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
         q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         KV_BLOCK=block_size, N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        N_HEADS=n_heads, HEAD_DIM=head_dim, SPLIT_LEN=split, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
+        N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
                                            SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,
-                                           HEAD_DIM=head_dim, SPLIT_LEN=split, num_warps=4)
+                                           HEAD_DIM=head_dim, BLOCK=BLOCK_N, num_warps=4)
     return out
