@@ -13,6 +13,7 @@ own process with a time limit, so one that hangs or crashes is a failed row, not
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -44,8 +45,11 @@ def run(name: str, cmd: list[str], timeout: float, log_dir: Path) -> tuple[int, 
 
 
 def tests_row(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
-    rc, secs, out = run("tests", [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *GPU_TESTS],
-                        args.test_timeout, log_dir)
+    # Four workers where pytest-xdist is installed (the GPU image has it): Triton compiles each kernel variant
+    # on first use, and that is most of the files' time on a fresh machine.
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    rc, secs, out = run("tests", [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *workers,
+                                  *GPU_TESTS], args.test_timeout, log_dir)
     summary = next((line for line in reversed(out.splitlines()) if " in " in line and "=" in line), "no summary")
     failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
     return {"part": "GPU tests", "result": summary.strip("= "), "ok": rc == 0, "seconds": round(secs),
@@ -88,7 +92,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="(another device only to try the script itself)")
     p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "workloads" / "prompts.json")
     p.add_argument("--parts", default="tests,serve,fidelity", help="which parts to run")
-    p.add_argument("--test-timeout", type=float, default=240)
+    p.add_argument("--test-timeout", type=float, default=300)
     p.add_argument("--serve-timeout", type=float, default=240)
     p.add_argument("-o", "--output", default=None)
     args = p.parse_args()

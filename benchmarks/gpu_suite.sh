@@ -8,7 +8,7 @@
 # a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
 #   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
-#   paged mixes]
+#   paged pool mixes]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -24,7 +24,7 @@ steps="${*:-kernels bench spec graphs serve}"
 for step in $steps; do
     echo "=== $step ($(date +%T))"
     case "$step" in
-        smoke) timeout 580 python3 benchmarks/gpu_smoke.py -m $T --weight-format "${FORMAT}" --prompts "$SPECSERVE_WORKLOADS" \
+        smoke) timeout 595 python3 benchmarks/gpu_smoke.py -m $T --weight-format "${FORMAT}" --prompts "$SPECSERVE_WORKLOADS" \
                    -o "$OUT/gpu_smoke_$FORMAT.json" 2>&1 | grep -v "^---" | tail -12 ;;
         kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3 ;;
         bench) timeout 600 python3 -m specserve.cli bench -m $T --weight-format "$FORMAT" ${BENCH_ARGS:--md $D} \
@@ -63,6 +63,12 @@ for step in $steps; do
                 tests/test_cuda_builds.py tests/test_kv_blocks.py tests/test_kv_pool.py tests/test_batch_invariant.py \
                 2>&1 | tail -3
             timeout 300 python3 benchmarks/attention_bench.py -o "$OUT/attention_bench.json" 2>&1 | tail -14 ;;
+        pool) # one client on a pool sized for many (-np 64 -c 1048576): plain and ngram-suffix code edits, and tg128
+            timeout 300 python3 -m specserve.cli bench -m $T --weight-format "$FORMAT" --spec-types none --no-hf -n 128 \
+                -o "$OUT/bench_tg_${T}_cuda$sfx.json" 2>&1 | grep -E "^ *(pp|tg)" ;
+            timeout 400 python3 benchmarks/serve_bench.py -m $T --device cuda --clients 1 --slot-ctx 1048576 --requests 3 \
+                -n 128 --modes none,ngram-suffix --category code_edit --prompts "$SPECSERVE_WORKLOADS" \
+                -o "$OUT/serve_${T}_cuda${sfx}_pool.json" --server-args --weight-format "$FORMAT" -np 64 2>&1 | tail -4 ;;
         mixes) # issue 25's mixes: long prompts (ITL while they are read), shared and per-tenant system prompts
             for mix in ${MIXES:-long shared-system tenants}; do
                 timeout 600 python3 benchmarks/serve_bench.py -m $T --device cuda --clients "${CLIENTS:-16,64}" \
@@ -70,6 +76,6 @@ for step in $steps; do
                     -o "$OUT/serve_${T}_cuda${sfx}_$mix.json" --server-args --weight-format "$FORMAT" \
                     ${SERVER_EXTRA:-} 2>&1 | tail -5
             done ;;
-        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged mixes)" ;;
+        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes)" ;;
     esac
 done
