@@ -105,16 +105,17 @@ def main() -> int:
     if "serve" in parts:
         small_run, small = serve(args, "small", "1", 2048, out.parent)
         big_run, big = serve(args, "large", f"1,{BIG_SLOTS}", BIG_CTX // BIG_SLOTS, out.parent)
-        one_small = small[0]["tokens_per_s"] if small else None
-        one_big = big[0]["tokens_per_s"] if big else None
+        one_small = round(small[0]["tokens_per_s"], 1) if small else None
+        one_big = round(big[0]["tokens_per_s"], 1) if big else None
         rows.append({"part": "1 client, -np 1 -c 2048", "result": f"{one_small} tok/s" if one_small else "failed",
                      "ok": one_small is not None, **small_run})
         ratio = round(one_big / one_small, 3) if one_small and one_big else None
         rows.append({"part": f"1 client, -np {BIG_SLOTS} -c {BIG_CTX}", "ok": ratio is not None and ratio >= MIN_RATIO,
                      "result": f"{one_big} tok/s, x{ratio} of the small pool" if ratio else "failed", **big_run})
-        many = big[1]["tokens_per_s"] if len(big) > 1 else None
+        many = big[1] if len(big) > 1 else None
         rows.append({"part": f"{BIG_SLOTS} clients, -np {BIG_SLOTS} -c {BIG_CTX}", "ok": many is not None,
-                     "result": f"{many} tok/s, ITL p99 {big[1]['itl_p99_ms']} ms" if many else "failed"})
+                     "result": f"{many['tokens_per_s']:.0f} tok/s, ITL p99 {many['itl_p99_ms']:.1f} ms" if many
+                     else "failed"})
     if "fidelity" in parts:
         rows += [fidelity_row(args, False, out.parent), fidelity_row(args, True, out.parent)]
     for row in rows:

@@ -5,6 +5,7 @@ written alone (greedy, on the CPU whose rows do not depend on their batch)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,9 @@ def test_preempted_slots_end_with_their_text_alone_on_cuda(smollm_path: Path, we
             plain = SpecParams(n_max=0)
             alone = [wait(submit(sched, tokenizer, p, n_predict=70, spec=plain)[1])[0] for p in PROMPTS]
             pending = [submit(sched, tokenizer, p, n_predict=70, spec=plain) for p in PROMPTS]
-            assert [wait(events)[0] for _, events in pending] == alone
+            together = [wait(events)[0] for _, events in pending]
+            for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+                assert got == want, f"prompt {i}: apart from char {len(os.path.commonprefix([got, want]))}: {got!r}"
             assert sched.counters_snapshot().kv_preemptions > 0
     finally:
         batch_invariant.enable(was)
