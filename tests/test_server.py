@@ -109,8 +109,7 @@ def test_openai_chat_and_stream_agree(client: openai.OpenAI) -> None:
     assert finish == full.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
     # The same prompt again: its tokens come from the slot's cache.
-    assert usage.prompt_tokens_details.cached_tokens > 0
-    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens  # at least one token evaluated
 
 
 def test_chat_stream_starts_with_null_content(server: ServerProcess) -> None:
