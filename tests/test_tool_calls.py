@@ -332,6 +332,27 @@ def test_grammar_whitespace_is_bounded() -> None:
     assert not accepts(grammar, '{"name":     "now", "parameters": {}}')
 
 
+def test_generic_auto_grammar_calls_or_answer() -> None:
+    grammar = call_grammar("generic", TOOLS, "auto", parallel=False)
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar)) == ""
+    assert accepts(grammar, FORCED["generic"][0]) and not accepts(grammar, FORCED["generic"][1])
+    assert accepts(grammar, '{"response": "It is sunny."}')
+    assert not accepts(grammar, "It is sunny.") and not accepts(grammar, '{"response": 7}')
+    assert calls_of('{"response": "It is sunny."}', "generic") == ("It is sunny.", [])
+
+
+def test_grammar_closes_objects_that_list_their_properties() -> None:
+    one = '{{"tool_calls": [{{"name": "{}", "arguments": {}}}]}}'
+    grammar = call_grammar("generic", TOOLS, "required", parallel=False)
+    assert not accepts(grammar, one.format("get_weather", '{"city": "Paris", "unit": "C"}'))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "additionalProperties": True,
+        "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer"}}}}}}}
+    grammar = call_grammar("generic", [tool], "required", parallel=False)
+    assert accepts(grammar, one.format("f", '{"p": {"x": 1}, "other": 2}'))  # open where the schema says so
+    assert not accepts(grammar, one.format("f", '{"p": {"x": 1, "y": 2}}'))
+
+
 # ---- tool definitions --------------------------------------------------------------------------------------
 
 

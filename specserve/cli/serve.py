@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
 _ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
                   "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
-                  "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS"}
+                  "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS", "reasoning_format": "LLAMA_ARG_THINK",
+                  "reasoning_budget": "LLAMA_ARG_THINK_BUDGET"}
 _NO_ENV = {"spec_replace"}  # two values a use: no env var, as in llama-server
 
 

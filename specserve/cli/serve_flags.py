@@ -10,6 +10,7 @@ from typing import Any
 
 from specserve.errors import SpecserveError
 from specserve.gguf.template_names import BUILTIN_TEMPLATES, resolve_chat_template
+from specserve.server.reasoning import FORMATS as REASONING_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,12 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help=f"chat template instead of the GGUF's: a name ({', '.join(BUILTIN_TEMPLATES)}) or Jinja text")
     g.add_argument("--chat-template-file", default=None, metavar="FILE", help="read the chat template from FILE")
+    g.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                   help="chat answers: none keeps a <think> block in content; deepseek and auto (the default) give "
+                        "it as message.reasoning_content (a request's reasoning_format overrides it)")
+    g.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="-1: unlimited thinking (the default); 0: thinking off (the chat template gets "
+                        "enable_thinking=false); no other budget is supported")
     g.add_argument("--spec-replace", nargs=2, action="append", default=[], metavar=("TARGET", "DRAFT"),
                    help="accepted: no effect, as a draft model must share the target's vocabulary here")
     g.add_argument("--tags", default=None, help="model tags, comma-separated (informational: /v1/models)")
@@ -62,4 +69,5 @@ def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
                     "text is translated between them")
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
     return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots, "tags": tags,
-            "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file)}
+            "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file),
+            "reasoning_format": args.reasoning_format, "reasoning_budget": args.reasoning_budget}

@@ -55,7 +55,8 @@ def _fit(bits: np.ndarray, vocab: int) -> np.ndarray:
 @dataclass(frozen=True)
 class GrammarSource:
     """What a request constrains its output with: kind "gbnf" (llama.cpp GBNF; llguidance's Lark is
-    accepted too) or "json_schema" (the schema as JSON text)."""
+    accepted too), "lark" (llguidance's Lark: the server's own grammars, e.g. a forced tool call) or
+    "json_schema" (the schema as JSON text)."""
 
     kind: str
     text: str
@@ -147,10 +148,10 @@ class GrammarCompiler:
     @staticmethod
     def _build(source: GrammarSource, ll_tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
         llg = _library()
-        what = "grammar" if source.kind == "gbnf" else "json_schema"
+        what = "json_schema" if source.kind == "json_schema" else "grammar"
         try:
-            if source.kind == "gbnf":
-                grammar = llg.grammar_from("gbnf", source.text)
+            if source.kind in ("gbnf", "lark"):
+                grammar = llg.grammar_from(source.kind, source.text)
             elif source.kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(source.text, defaults=_JSON_OPTIONS)
             else:

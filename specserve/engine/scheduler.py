@@ -268,7 +268,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot.t_start = time.perf_counter()
             slot.sampler = Sampler(task.sampling)
             slot.sampler.reset(task.prompt)
-            slot.stream = TextStream(self.tokenizer, task.stop)
+            slot.stream = TextStream(self.tokenizer, task.stop, task.keep_special)
             self._prepare_chain(slot, task.spec)
             slot.use_chain = slot.chain is not None and task.spec.n_max > 0
         except Exception as exc:

@@ -36,6 +36,9 @@ class Task:
     # grammar / JSON schema: this task's own matcher state (GrammarCompiler.compile() makes one per task)
     constraint: Constraint | None = None
     logit_bias: LogitBias | None = None  # None when the request gives none (the greedy argmax shortcut stays open)
+    # Control tokens whose text the answer keeps (the others are left out): a chat's tool-call markers, which
+    # its parser reads (server/chat_tools.py)
+    keep_special: frozenset[int] = frozenset()
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:

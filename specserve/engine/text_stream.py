@@ -24,8 +24,9 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
 class TextStream:
     """Accumulates the text of one generation and hands out the part that is safe to send."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
-        self._decoder = IncrementalDecoder(tokenizer, skip_special=True)
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], keep_special: frozenset[int] = frozenset()):
+        # Control tokens are left out of the text, except those in keep_special.
+        self._decoder = IncrementalDecoder(tokenizer, skip_special=True, keep=keep_special)
         self.stops = [s for s in stops if s]
         self._max_stop = max((len(s) for s in self.stops), default=0)
         self.text = ""

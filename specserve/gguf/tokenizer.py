@@ -350,18 +350,20 @@ class IncrementalDecoder:
 
     Bytes of an incomplete character are held back until the next token completes it;
     bytes that can never form a character become U+FFFD, exactly as `Tokenizer.decode`
-    of the whole sequence would render them.
+    of the whole sequence would render them. With `skip_special`, control tokens give no
+    text except those in `keep` (e.g. a tool-call marker the answer's parser reads).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = keep
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
         tok = self._tokenizer
         data = tok.token_bytes(token_id)
-        if self._skip_special and tok.is_special(token_id):
+        if self._skip_special and tok.is_special(token_id) and token_id not in self._keep:
             return ""
         return self._utf8.decode(data, final=False)
 

@@ -278,6 +278,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "model_path": str(engine.model_path),
             "draft_model_path": str(engine.draft_runner.gguf.path) if engine.draft_runner else None,
             "chat_template": tok.chat_template or "",
+            "chat_format": engine.tool_style.format,  # how tool calls are read (server/tool_calls.py)
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
             "modalities": {"vision": False, "audio": False},

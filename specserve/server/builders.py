@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from specserve.engine.tasks import Task
+from specserve.server.chat_output import OutputSpec
 from specserve.server.engine import Engine
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.infill import infill_prompt
 from specserve.server.prompts import split_prompts
+from specserve.server.reasoning import prompt_opens_thinking
 from specserve.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -73,9 +75,15 @@ def build_v1_completion(engine: Engine, body: bytes) -> Job:
 def build_chat(engine: Engine, body: bytes) -> Job:
     req = parse_body(ChatRequest, body)
     engine.check_model(req.model)
-    prompt = engine.chat_prompt(req, req.parse_special)
+    plan = engine.tool_plan(req, own_constraint=req.grammar_source() is not None)
+    prompt, text = engine.chat_prompt(req, plan, req.parse_special)
     max_tokens = next((n for n in (req.n_predict, req.max_completion_tokens, req.max_tokens) if n is not None), None)
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
-    tasks = engine.make_tasks(req, [prompt], max_tokens, n_probs, req.n)
+    tasks = engine.make_tasks(req, [prompt], max_tokens, n_probs, req.n, grammar=plan.grammar,
+                              keep_special=plan.keep_special)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _job(tasks, lambda _, t: ChatFormat(engine, t, include_usage, req.top_logprobs or 0), req.stream, req.n)
+    output = OutputSpec(reasoning_format=req.reasoning_format or engine.settings.reasoning_format,
+                        started_open=prompt_opens_thinking(text), tool_format=plan.parse_format,
+                        tool_names=plan.names)
+    return _job(tasks, lambda _, t: ChatFormat(engine, t, include_usage, req.top_logprobs or 0, output),
+                req.stream, req.n)

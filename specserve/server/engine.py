@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve import catalog
-from specserve.engine.constraints import GrammarCompiler
+from specserve.engine.constraints import GrammarCompiler, GrammarSource
 from specserve.engine.loading import RemoteOptions, load_with_draft
 from specserve.engine.local_runner import DEFAULT_CTX, LocalRunner, checked_device
 from specserve.engine.logit_bias import LogitBias
@@ -27,8 +27,10 @@ from specserve.gguf.reader import GGUFFile
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.config import ModelConfig
 from specserve.server.chat_tokens import ControlTokens
+from specserve.server.chat_tools import ToolPlan, ToolStyle, plan_tools
 from specserve.server.errors import ContextSizeError, ModelNotFound
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
+from specserve.server.reasoning import FORMATS as REASONING_FORMATS
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
@@ -67,6 +69,8 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
     slot_save_path: str | None = None  # directory of /slots save/restore files; None: those actions are 501
     pooling: str | None = None  # embeddings: "mean" or "last"; None: the GGUF's pooling_type if one of them, else mean
+    reasoning_format: str = "auto"  # --reasoning-format: how a chat answer's reasoning is split (reasoning.py)
+    reasoning_budget: int = -1  # --reasoning-budget: -1 unlimited, 0 thinking off (the template's enable_thinking)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
 
@@ -110,6 +114,12 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
     if s.pooling is not None and s.pooling not in POOLINGS:
         raise SpecserveError(f"--pooling must be one of {', '.join(POOLINGS)}, got {s.pooling!r}")
+    if s.reasoning_format not in REASONING_FORMATS:
+        raise SpecserveError(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, "
+                             f"got {s.reasoning_format!r}")
+    if s.reasoning_budget not in (-1, 0):  # a token budget would need the scheduler to end the block
+        raise SpecserveError(f"--reasoning-budget: only -1 (unlimited) and 0 (thinking off) are supported, "
+                             f"got {s.reasoning_budget}")
     if s.slot_save_path is not None:
         try:
             Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
@@ -141,6 +151,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.encoder = TextEncoder(tokenizer)
         self.control_tokens = ControlTokens(self.encoder)
+        self.tool_style = ToolStyle.of(tokenizer)  # how the chat template has the model write tool calls
         self.grammars = GrammarCompiler(tokenizer)  # grammar / json_schema / response_format requests
         if draft_runner is not None and draft_runner.n_seqs < settings.n_parallel:
             raise SpecserveError("the draft runner needs one sequence per slot")
@@ -209,6 +220,8 @@ class Engine:
             raise SpecserveError(f"chat_template_kwargs must not set {', '.join(sorted(reserved))}")
         if tools is not None:
             extra["tools"] = tools
+        if self.settings.reasoning_budget == 0:  # thinking off, as llama-server: templates that can, skip it
+            extra.setdefault("enable_thinking", False)
         # Assistant prefill, as llama-server: a last assistant message is the start of the answer, so what
         # comes before it is rendered with the generation prompt and its text follows unchanged.
         prefill, add_generation_prompt = "", req.add_generation_prompt
@@ -217,24 +230,35 @@ class Engine:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    **extra) + prefill
 
-    def render_chat(self, req: ChatTemplateFields) -> str:
-        return self._render(req, req.template_messages(), req.tools)
+    def tool_plan(self, req: ChatTemplateFields, own_constraint: bool = False) -> ToolPlan:
+        """What the request's tools do to its prompt, constraint and output (chat_tools.py)."""
+        return plan_tools(req, self.tool_style, own_constraint)
 
-    def chat_prompt(self, req: ChatTemplateFields, parse_special: bool = False) -> list[int]:
-        """The chat's prompt tokens. Control-token text inside messages and tools is plain text unless
-        parse_special (chat_tokens.py); the template writes any bos itself, as HF's apply_chat_template does."""
-        messages, tools = req.template_messages(), req.tools
+    def render_chat(self, req: ChatTemplateFields) -> str:
+        plan = self.tool_plan(req)
+        return self._render(req, plan.messages, plan.tools)
+
+    def chat_prompt(self, req: ChatTemplateFields, plan: ToolPlan,
+                    parse_special: bool = False) -> tuple[list[int], str]:
+        """The chat's prompt tokens and rendered text. Control-token text inside messages and tools is plain
+        text unless parse_special (chat_tokens.py); the template writes any bos itself, as HF's
+        apply_chat_template does."""
+        messages, tools = plan.messages, plan.tools
         if parse_special or not self.control_tokens.found_in([messages, tools]):
-            return self.encoder.encode(self._render(req, messages, tools), add_special=False, parse_special=True)
+            text = self._render(req, messages, tools)
+            return self.encoder.encode(text, add_special=False, parse_special=True), text
         (messages, tools), placeholders = self.control_tokens.mask([messages, tools])
-        return self.control_tokens.encode_rendered(self._render(req, messages, tools), placeholders)
+        text = self._render(req, messages, tools)
+        return self.control_tokens.encode_rendered(text, placeholders), text
 
     # -- tasks --------------------------------------------------------------------------------------
 
     def make_tasks(self, fields: GenerationFields, prompts: list[list[int]], n_predict: int | None,
-                   n_probs: int = 0, n_choices: int = 1) -> list[Task]:
+                   n_probs: int = 0, n_choices: int = 1, *, grammar: GrammarSource | None = None,
+                   keep_special: frozenset[int] = frozenset()) -> list[Task]:
         """n_choices tasks per prompt, prompt-major; with a fixed seed choice i samples with a seed of its
-        own drawn from (seed, i), so choices differ and repeat."""
+        own drawn from (seed, i), so choices differ and repeat. `grammar` constrains the output where the
+        request's fields do not (a forced tool call); `keep_special`: see Task."""
         s = self.settings
         try:
             sampling = replace(s.sampling, **fields.sampling_overrides()).validate()
@@ -248,7 +272,7 @@ class Engine:
             raise SpecserveError(f"invalid parameter: {exc}") from None
         bias = resolve_logit_bias(self.encoder, fields.logit_bias) if fields.logit_bias else {}
         logit_bias = LogitBias(bias) if bias else None  # (read-only: the tasks share it)
-        source = fields.grammar_source()
+        source = fields.grammar_source() or grammar
         tasks = []
         for prompt in prompts:
             if not prompt:
@@ -266,7 +290,7 @@ class Engine:
                 tasks.append(Task(prompt=prompt, sampling=replace(sampling, seed=choice_seed(sampling.seed, choice)),
                                   spec=spec, n_predict=limit, stop=fields.stop_list(),
                                   cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
-                                  constraint=constraint, logit_bias=logit_bias))
+                                  constraint=constraint, logit_bias=logit_bias, keep_special=keep_special))
         return tasks
 
     def default_params(self) -> dict[str, object]:

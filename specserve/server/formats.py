@@ -1,9 +1,10 @@
 """Response shapes: llama-server's native /completion and OpenAI's completions / chat completions.
 
-Each format turns one task's events into JSON objects: `chunk` for one streamed step, `final` for its
-streamed end, `body` for its whole non-streaming answer. A request of several tasks (a batch of prompts, n
-choices) has one format per task, placed (`place`) as choice / result `index` of one answer; the first
-format then writes what the answer has once: `tail` (the stream's last events) and `combine` (the body).
+Each format turns one task's events into JSON objects: `chunk` for one streamed step (none, one, or several:
+a chat answer's tool call comes as chunks of its own), `final` for its streamed end, `body` for its whole
+non-streaming answer. A request of several tasks (a batch of prompts, n choices) has one format per task,
+placed (`place`) as choice / result `index` of one answer; the first format then writes what the answer has
+once: `tail` (the stream's last events) and `combine` (the body).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from typing import Any
 
 from specserve.engine.tasks import Chunk, Result, Task, TokenProb
+from specserve.server.chat_output import ChatOutput, OutputSpec, delta_json, finish_reason, message_json, read_message
 from specserve.server.engine import Engine
 from specserve.server.params import llama_params
 
@@ -56,7 +58,7 @@ class Format:
         """The non-streaming answer from each task's body."""
         raise NotImplementedError
 
-    def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
+    def chunk(self, chunk: Chunk) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def final(self, result: Result) -> list[dict[str, Any]]:
@@ -97,16 +99,16 @@ class NativeFormat(Format):
 
         return [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top]} for p in probs]
 
-    def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
+    def chunk(self, chunk: Chunk) -> list[dict[str, Any]]:
         # Streamed chunks carry their token ids whatever return_tokens says, as llama-server's do.
         self._n_decoded += len(chunk.tokens)
         if not chunk.text and not chunk.tokens and not chunk.probs:
-            return None
+            return []
         out: dict[str, Any] = {"index": self.index, "content": chunk.text, "tokens": chunk.tokens, "stop": False,
                                "tokens_predicted": self._n_decoded, "tokens_evaluated": len(self.task.prompt)}
         if chunk.probs:
             out["completion_probabilities"] = self._probs(chunk.probs)
-        return out
+        return [out]
 
     def _summary(self, result: Result) -> dict[str, Any]:
         return {
@@ -175,8 +177,11 @@ class OpenAIFormat(Format):
     def _empty_choice(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _finish_reason(self, result: Result) -> str:
+        return FINISH_REASON[result.stop_type]
+
     def final(self, result: Result) -> list[dict[str, Any]]:
-        last = self._envelope({**self._empty_choice(), "finish_reason": FINISH_REASON[result.stop_type]})
+        last = self._envelope({**self._empty_choice(), "finish_reason": self._finish_reason(result)})
         last["timings"] = result.timings()
         return [last]
 
@@ -220,11 +225,11 @@ class CompletionFormat(OpenAIFormat):
         return [self._envelope({"text": self.echo_text, "index": self.index, "logprobs": None,
                                 "finish_reason": None})]
 
-    def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
+    def chunk(self, chunk: Chunk) -> list[dict[str, Any]]:
         if not chunk.text and not chunk.probs:
-            return None
-        return self._envelope({"text": chunk.text, "index": self.index, "logprobs": self._logprobs(chunk.probs),
-                               "finish_reason": None})
+            return []
+        return [self._envelope({"text": chunk.text, "index": self.index, "logprobs": self._logprobs(chunk.probs),
+                                "finish_reason": None})]
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
@@ -235,15 +240,20 @@ class CompletionFormat(OpenAIFormat):
 
 
 class ChatFormat(OpenAIFormat):
-    """OpenAI POST /v1/chat/completions."""
+    """OpenAI POST /v1/chat/completions. The answer's text is read as reasoning, content and tool calls
+    (chat_output.py); a stream sends each as it is certain, and what the readers hold at the end before the
+    finish chunk."""
 
     id_prefix = "chatcmpl-"
     object = "chat.completion.chunk"
 
-    def __init__(self, engine: Engine, task: Task, include_usage: bool = False, top_logprobs: int = 0):
+    def __init__(self, engine: Engine, task: Task, include_usage: bool = False, top_logprobs: int = 0,
+                 output: OutputSpec | None = None):
         super().__init__(engine, task, include_usage)
         # the task computes at least one alternative; top_logprobs 0 shows none, as OpenAI
         self.top_logprobs = top_logprobs
+        self.output = output or OutputSpec()
+        self._reader = ChatOutput(self.output)
 
     def _logprobs(self, probs: list[TokenProb] | None) -> dict[str, Any] | None:
         if not self.task.n_probs or probs is None:
@@ -262,16 +272,28 @@ class ChatFormat(OpenAIFormat):
         return [self._envelope({"index": self.index, "delta": {"role": "assistant", "content": None}, "logprobs": None,
                                 "finish_reason": None})]
 
-    def chunk(self, chunk: Chunk) -> dict[str, Any] | None:
-        if not chunk.text and not chunk.probs:
-            return None
-        return self._envelope({"index": self.index, "delta": {"content": chunk.text},
-                               "logprobs": self._logprobs(chunk.probs), "finish_reason": None})
+    def _delta(self, delta: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._envelope({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+
+    def chunk(self, chunk: Chunk) -> list[dict[str, Any]]:
+        deltas = [delta_json(piece) for piece in self._reader.feed(chunk.text)]
+        logprobs = self._logprobs(chunk.probs) if chunk.probs else None
+        if not deltas:  # the readers hold this step's text: its log-probabilities still go out now
+            return [self._delta({}, logprobs)] if logprobs is not None else []
+        # one delta a chunk: a call's start and its arguments stay apart, as OpenAI streams them
+        return [self._delta(delta, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+
+    def _finish_reason(self, result: Result) -> str:
+        return finish_reason(FINISH_REASON[result.stop_type], self._reader.n_calls)
+
+    def final(self, result: Result) -> list[dict[str, Any]]:
+        held = [self._delta(delta_json(piece)) for piece in self._reader.finish()]
+        return held + super().final(result)
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         probs = [p for c in chunks for p in c.probs or []] if self.task.n_probs else None
-        message = {"role": "assistant", "content": "".join(c.text for c in chunks)}
-        choice = {"index": self.index, "message": message, "logprobs": self._logprobs(probs),
-                  "finish_reason": FINISH_REASON[result.stop_type]}
+        message = read_message("".join(c.text for c in chunks), self.output)
+        choice = {"index": self.index, "message": message_json(message), "logprobs": self._logprobs(probs),
+                  "finish_reason": finish_reason(FINISH_REASON[result.stop_type], len(message.calls))}
         return {**self._envelope(choice, "chat.completion"), "usage": usage([result], [self]),
                 "timings": result.timings()}

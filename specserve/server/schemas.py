@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
 from specserve.server.prompts import LogitBiasInput, PromptInput, PromptPart
+from specserve.server.tool_calls import validate_tools
 
 SPEC_FIELDS = {  # request key -> SpecParams field
     "speculative.type": "type",
@@ -230,11 +231,47 @@ class ChatMessage(BaseModel):
         return out
 
 
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """OpenAI's tool_choice that forces one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatTemplateFields(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+    # OpenAI's: None means "auto" when there are tools, else "none" (server/chat_tools.py says what each does)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _valid_tools(self) -> ChatTemplateFields:
+        if self.tools:
+            validate_tools(self.tools)  # its ValueError names the tool
+        choice = self.choice()
+        if choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice requires a call, but no tools are given")
+        name = choice["function"]["name"] if isinstance(choice, dict) else None
+        if name is not None and all(tool["function"]["name"] != name for tool in self.tools):
+            raise ValueError(f"tool_choice names function '{name}', which is not among the tools")
+        return self
+
+    def choice(self) -> str | dict[str, Any]:
+        """tool_choice as call_grammar takes it: "none", "auto", "required" or the named-function object."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
 
     @field_validator("messages")
     @classmethod
@@ -256,11 +293,20 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_N_PROBS)
     # Control-token text in messages and tools is tokenized as text unless this is true (docs/compatibility.md).
     parse_special: bool = False
+    # How reasoning is split from the answer (server/reasoning.py); None: the server's --reasoning-format
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:  # as OpenAI and llama-server
             raise ValueError("top_logprobs requires logprobs to be set to true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_or_grammar(self) -> ChatRequest:
+        # Both would constrain the output, and two grammars cannot both hold.
+        if self.tool_choice not in (None, "none") and self.grammar_source() is not None:
+            raise ValueError("tool_choice cannot be combined with grammar, json_schema or response_format")
         return self
 
 

@@ -167,9 +167,7 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
         for item in items:
             i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
-                obj = formats[i].chunk(event)
-                if obj is not None:
-                    out.append(sse(obj))
+                out += [sse(obj) for obj in formats[i].chunk(event)]
             elif isinstance(event, Result):
                 results[i] = event
                 out += [sse(obj) for obj in formats[i].final(event)]

@@ -17,7 +17,8 @@ is not an error: its text stays in the content, so the client gets back what the
 
 The special tokens `<|python_tag|>` and `[TOOL_CALLS]` are only seen if the output is decoded with special
 tokens kept. `call_grammar` writes the llguidance (Lark) grammar that forces a call for tool_choice "required" or
-a named function; `validate_tools` checks a request's tool definitions first.
+a named function (and, for "generic", a call or an answer for "auto"); `validate_tools` checks a request's tool
+definitions first.
 """
 
 from __future__ import annotations
@@ -575,10 +576,34 @@ def _marker(text: str, token_id: int | None) -> str:
     return f"<[{token_id}]>" if token_id is not None else _lark_string(text)
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others unless it says otherwise (as
+    llama.cpp's converter reads a missing additionalProperties): a forced call gets the arguments the tool
+    describes, not whatever keys a small model goes on to invent."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    if "items" in out:
+        out["items"] = _closed(out["items"])
+    return out
+
+
 def _call_schema(tool: dict[str, Any], arg_key: str) -> dict[str, Any]:
     """The JSON schema of one call of `tool`: its name, then its arguments."""
     function = tool["function"]
-    params = dict(function.get("parameters") or {"type": "object", "properties": {}})
+    params = _closed(function.get("parameters") or {"type": "object", "properties": {}})
     # `#/$defs/...` references resolve from the root, which is now this wrapper: the definitions move up.
     hoisted = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     return {"x-guidance": _JSON_OPTIONS, "type": "object",
@@ -621,17 +646,30 @@ def _framing(fmt: str, parallel: bool, marker_token: int | None) -> list[str]:
     return [f'start: {opener} {calls} "]}}"']
 
 
+def _answer_rules(parallel: bool) -> list[str]:
+    """The generic format's calls or direct answer (`{"response": "text"}`). The shared `{` is a lexeme of its
+    own: llguidance cannot choose between a literal and a %json object that begin alike."""
+    calls = _calls_rule("call_body", ", ", parallel)
+    return ['start: "{" (calls | response)',
+            f'calls: {_lark_string(chr(34) + "tool_calls" + chr(34) + ": [")} {calls} "]}}"',
+            f'response: {_lark_string(chr(34) + "response" + chr(34) + ": ")} response_text "}}"',
+            'response_text: %json {"type": "string"}']
+
+
 def call_grammar(fmt: str, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool, *,
                  marker_token: int | None = None) -> str:
     """A grammar (llguidance's Lark) under which the model must write one call (several if `parallel`) in `fmt`.
 
-    `choice` is "required" (any of `tools`) or `{"type": "function", "function": {"name": ...}}` (that one).
+    `choice` is "required" (any of `tools`) or `{"type": "function", "function": {"name": ...}}` (that one);
+    for the "generic" format also "auto": calls or a `{"response": ...}` answer (that format's only syntax is
+    the whole answer's JSON, so without a grammar a small model rarely writes either).
     `marker_token`: the token id of the format's call marker (`<tool_call>`, `[TOOL_CALLS]`) when it is a control
     token of the model's vocabulary. Tools are assumed valid (`validate_tools`)."""
     _check_format(fmt)
-    chosen = _chosen_tools(tools, choice)
+    answer = fmt == "generic" and choice == "auto"
+    chosen = _chosen_tools(tools, "required" if answer else choice)
     arg_key = "parameters" if fmt == "llama3" else "arguments"
-    rules = _framing(fmt, parallel, marker_token)
+    rules = _answer_rules(parallel) if answer else _framing(fmt, parallel, marker_token)
     rules.append("call_body: " + " | ".join(f"fn_{i}" for i in range(len(chosen))))
     rules += [f"fn_{i}: %json {json.dumps(_call_schema(tool, arg_key))}" for i, tool in enumerate(chosen)]
     return "\n".join(rules) + "\n"
