@@ -71,8 +71,10 @@ def test_preempted_slots_end_with_their_text_alone_on_cuda(smollm_path: Path, we
         tokenizer = Tokenizer.from_gguf(runner.gguf)
         with running_scheduler(runner, tokenizer) as sched:
             plain = SpecParams(n_max=0)
-            alone = [wait(submit(sched, tokenizer, p, n_predict=70, spec=plain)[1])[0] for p in PROMPTS]
-            pending = [submit(sched, tokenizer, p, n_predict=70, spec=plain) for p in PROMPTS]
+            # past end-of-generation: three requests of 70 tokens each always overflow the pool
+            alone = [wait(submit(sched, tokenizer, p, n_predict=70, spec=plain, ignore_eos=True)[1])[0]
+                     for p in PROMPTS]
+            pending = [submit(sched, tokenizer, p, n_predict=70, spec=plain, ignore_eos=True) for p in PROMPTS]
             together = [wait(events)[0] for _, events in pending]
             for i, (got, want) in enumerate(zip(together, alone, strict=True)):
                 assert got == want, f"prompt {i}: apart from char {len(os.path.commonprefix([got, want]))}: {got!r}"
