@@ -7,6 +7,7 @@ own browser download is never used (it needs the internet). Screenshots go to te
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -225,3 +226,60 @@ def test_chat_streams_and_stops_in_a_browser(server: ServerProcess, browser: Any
     page.close()
     with capsys.disabled():
         print(f"\nchat page screenshots: {ARTIFACTS}")
+
+
+def _sse(*chunks: dict[str, Any]) -> str:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def test_reasoning_and_tool_calls_show_in_a_browser(server: ServerProcess, browser: Any) -> None:
+    """The page shows a streamed answer's reasoning (collapsed) and its tool calls, and sends the tools setting. The
+    answer is a canned stream (the small model neither reasons nor calls tools on its own), in the chunks the server
+    sends (tests/test_server_tools.py checks those)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    sent: list[dict[str, Any]] = []
+
+    def delta(d: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    body = _sse(delta({"role": "assistant", "content": None}), delta({"reasoning_content": "The user wants "}),
+                delta({"reasoning_content": "the weather."}), delta({"content": "Let me look."}),
+                delta({"tool_calls": [call]}),
+                delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}),
+                {**delta({}, "tool_calls"), "timings": {"predicted_n": 9, "predicted_per_second": 50.0, "draft_n": 0,
+                                                       "prompt_n": 20, "cache_n": 0, "prompt_per_second": 500.0}})
+
+    def answer(route: Any) -> None:
+        sent.append(json.loads(route.request.post_data))
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page.route("**/v1/chat/completions", answer)
+    page.goto(server.url + "/")
+    page.fill("#api-key", API_KEY)
+    page.click("#save-key")
+    page.wait_for_selector('#server-status[data-state="ready"]', timeout=15_000)
+    page.click("#new-chat")
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    page.fill("#s-tools", json.dumps(tools))
+    page.fill("#prompt", "Weather in Paris?")
+    page.keyboard.press("Enter")
+    page.wait_for_selector('#messages .msg.assistant[data-state="done"]', timeout=15_000)
+    assert sent[0]["tools"] == [{"type": "function", "function": tools[0]}]
+    last = "#messages .msg.assistant:last-child"
+    assert page.text_content(f"{last} .text") == "Let me look."
+    assert page.text_content(f"{last} .tool-call") == 'tool call: get_weather({"city": "Paris"})'
+    assert page.text_content(f"{last} .reasoning-text") == "The user wants the weather."
+    assert page.is_visible(f"{last} .reasoning summary") and not page.is_visible(f"{last} .reasoning-text")
+    page.click(f"{last} .reasoning summary")  # opened on demand
+    assert page.is_visible(f"{last} .reasoning-text")
+    page.screenshot(path=str(ARTIFACTS / "4-tool-call.png"))
+    # the next turn sends the call back as the assistant's tool_calls
+    page.fill("#prompt", "Thanks")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(f'{last}[data-state="done"]', timeout=15_000)
+    previous = sent[1]["messages"][-2]
+    assert previous["role"] == "assistant" and previous["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    page.close()

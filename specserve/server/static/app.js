@@ -138,9 +138,27 @@ function renderMessages() {
 function messageNode(msg) {
   const node = el("div", "msg " + msg.role);
   node.dataset.state = msg.state || "done";
-  node.append(el("div", "role", msg.role), el("div", "text", msg.content));
-  if (msg.role === "assistant") node.append(el("div", "stats", statsText(msg)));
+  node.append(el("div", "role", msg.role));
+  if (msg.role === "assistant") {
+    // the model's reasoning, collapsed: the answer is what the reader came for
+    const reasoning = el("details", "reasoning");
+    reasoning.append(el("summary", "", "reasoning"), el("div", "reasoning-text", ""));
+    node.append(reasoning);
+  }
+  node.append(el("div", "text", msg.content));
+  if (msg.role === "assistant") node.append(el("div", "tool-calls"), el("div", "stats", statsText(msg)));
+  if (msg.role === "assistant") fillParts(node, msg);
   return node;
+}
+
+// Reasoning and tool calls of an answer (delta.reasoning_content, delta.tool_calls) into its node.
+function fillParts(node, msg) {
+  const reasoning = node.querySelector(".reasoning");
+  reasoning.hidden = !msg.reasoning;
+  node.querySelector(".reasoning-text").textContent = msg.reasoning || "";
+  const calls = node.querySelector(".tool-calls");
+  calls.replaceChildren(...(msg.toolCalls || []).map((c) =>
+    el("div", "tool-call", "tool call: " + c.name + "(" + c.arguments + ")")));
 }
 
 function fmt(x, digits = 1) {
@@ -209,11 +227,18 @@ function requestBody(conv) {
   if (s.system && s.system.trim()) messages.push({role: "system", content: s.system});
   for (const m of conv.messages) {
     // a failed answer is left out; a stopped one stays, as the user saw it
-    if (m.role === "user" || (m.role === "assistant" && !m.error && m.content)) {
-      messages.push({role: m.role, content: m.content});
+    if (m.role === "user" || (m.role === "assistant" && !m.error && (m.content || m.toolCalls))) {
+      const out = {role: m.role, content: m.content || null};
+      if (m.toolCalls && m.toolCalls.length) {
+        out.tool_calls = m.toolCalls.map((c) => ({id: c.id, type: "function",
+          function: {name: c.name, arguments: c.arguments}}));
+      }
+      messages.push(out);
     }
   }
   const body = {messages, stream: true};
+  const tools = parseTools(s.tools);
+  if (tools) body.tools = tools;
   for (const input of document.querySelectorAll("#settings input[data-setting], #settings select")) {
     const key = input.dataset.setting;
     const raw = s[key];
@@ -224,6 +249,19 @@ function requestBody(conv) {
     body[key] = value;
   }
   return body;
+}
+
+// The settings' tools: an OpenAI `tools` list as JSON (a bare list of functions is wrapped); none if empty or
+// not JSON (the field shows that itself).
+function parseTools(text) {
+  if (!text || !text.trim()) return null;
+  try {
+    const list = JSON.parse(text);
+    if (!Array.isArray(list) || !list.length) return null;
+    return list.map((t) => (t.type === "function" ? t : {type: "function", function: t}));
+  } catch (e) {
+    return null;
+  }
 }
 
 async function send() {
@@ -262,6 +300,7 @@ function draw(node, msg) {
   const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
   node.dataset.state = msg.state;
   node.querySelector(".text").textContent = msg.content;
+  fillParts(node, msg);
   node.querySelector(".stats").textContent = statsText(msg);
   if (atBottom) box.scrollTop = box.scrollHeight;
 }
@@ -299,7 +338,16 @@ async function stream(body, msg, node, signal) {
 function onEvent(obj, msg) {
   if (obj.error) throw new Error(obj.error.message || "server error");
   const choice = obj.choices && obj.choices[0];
-  const piece = choice && choice.delta && choice.delta.content;
+  const delta = (choice && choice.delta) || {};
+  if (delta.reasoning_content) msg.reasoning = (msg.reasoning || "") + delta.reasoning_content;
+  for (const call of delta.tool_calls || []) {
+    msg.toolCalls = msg.toolCalls || [];
+    const slot = msg.toolCalls[call.index] || (msg.toolCalls[call.index] = {id: "", name: "", arguments: ""});
+    if (call.id) slot.id = call.id;
+    if (call.function && call.function.name) slot.name += call.function.name;
+    if (call.function && call.function.arguments) slot.arguments += call.function.arguments;
+  }
+  const piece = delta.content;
   if (piece) {
     const now = performance.now();
     msg.live = msg.live || {chunks: 0, first: now, last: now};
