@@ -40,6 +40,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import common_prefix
 from specserve.speculative.base import Chain, SpecParams
+from specserve.speculative.prediction import PredictionDrafter
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,11 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot.sampler.reset(task.prompt)
             slot.stream = TextStream(self.tokenizer, task.stop, task.keep_special)
             self._prepare_chain(slot, task.spec)
+            if task.prediction:
+                self._attach_prediction(slot, task.prediction)
             slot.use_chain = slot.chain is not None and task.spec.n_max > 0
+            members = slot.chain.members if slot.chain is not None else []
+            slot.spec_base = {m.name: (m.stats.gen_tokens, m.stats.acc_tokens) for m in members}
         except Exception as exc:
             log.exception("could not start task %d", task.id)
             self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
@@ -283,6 +288,15 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot.chain = self.chain_factory(spec, slot.id)
             slot.chain_key = key
             slot.spec_seen = {}
+
+    @staticmethod
+    def _attach_prediction(slot: Slot, prediction: list[int]) -> None:
+        """The task's prediction drafts first, before the slot's own speculators; the chain is the task's alone
+        (the next task builds the slot's chain again)."""
+        members = slot.chain.members if slot.chain is not None else []
+        slot.chain = Chain([PredictionDrafter(prediction), *(m for m in members if m.name != PredictionDrafter.name)])
+        slot.chain_key = None
+        slot.spec_seen.pop(PredictionDrafter.name, None)  # a new drafter: its counts start from zero
 
     # -- planning --------------------------------------------------------------------------------------
 

@@ -229,7 +229,7 @@ class SlotResults:
             n_prompt=len(handle.task.prompt), n_cached=slot.n_cached, n_predicted=slot.n_decoded,
             prompt_ms=(prompt_done - slot.t_start) * 1000, predicted_ms=(now - prompt_done) * 1000,
             draft_n=slot.draft_n, draft_n_accepted=slot.draft_accepted, context_full=context_full,
-            n_steps=slot.n_steps,
+            n_steps=slot.n_steps, draft_sources=self._task_drafts(slot),
         )
         # Steps queued after this one may have written past what the slot keeps.
         self.runner.kv_truncate(slot.id, len(slot.cache))
@@ -242,6 +242,16 @@ class SlotResults:
         if slot.use_chain:
             self._end_chain(slot)
         self._post(handle, result)
+
+    @staticmethod
+    def _task_drafts(slot: Slot) -> dict[str, tuple[int, int]]:
+        """The task's draft tokens (generated, accepted) by speculator, from the chain's counts at its start."""
+        out = {}
+        for m in slot.chain.members if slot.chain is not None else ():
+            gen0, acc0 = slot.spec_base.get(m.name, (0, 0))
+            if m.stats.gen_tokens > gen0:
+                out[m.name] = (m.stats.gen_tokens - gen0, m.stats.acc_tokens - acc0)
+        return out
 
     def _fail(self, slot: Slot, message: str) -> None:
         handle = slot.handle

@@ -46,6 +46,7 @@ class Slot:
     chain_key: SpecParams | None = None
     use_chain: bool = False  # the current task speculates
     spec_seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # member -> (gen, acc) counted
+    spec_base: dict[str, tuple[int, int]] = field(default_factory=dict)  # member -> (gen, acc) when the task began
 
     @property
     def task(self) -> Task:

@@ -36,6 +36,7 @@ class Task:
     # grammar / JSON schema: this task's own matcher state (GrammarCompiler.compile() makes one per task)
     constraint: Constraint | None = None
     logit_bias: LogitBias | None = None  # None when the request gives none (the greedy argmax shortcut stays open)
+    prediction: list[int] | None = None  # the request's guess at its answer: a draft source (speculative/prediction.py)
     # Control tokens whose text the answer keeps (the others are left out): a chat's tool-call markers, which
     # its parser reads (server/chat_tools.py)
     keep_special: frozenset[int] = frozenset()
@@ -94,6 +95,8 @@ class Result:
     draft_n_accepted: int
     context_full: bool = False
     n_steps: int = 0  # decode and verify steps the task took part in
+    # draft tokens (generated, accepted) of this task by source: a speculator's name ("prediction", "ngram_suffix", ...)
+    draft_sources: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def timings(self) -> dict[str, float | int]:
         n_eval = self.n_prompt - self.n_cached
