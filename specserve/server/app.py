@@ -137,12 +137,14 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
             if on_load_error is not None:
                 on_load_error(state.load_error)
 
+    owns_engine = engine is None  # an engine given by the caller outlives this app (tests share one)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.engine is None:
             threading.Thread(target=load, name="specserve-load", daemon=True).start()
         yield
-        if state.engine is not None:
+        if state.engine is not None and owns_engine:
             state.engine.shutdown()
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
