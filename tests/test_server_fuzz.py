@@ -19,6 +19,8 @@ from pydantic import BaseModel
 
 from specserve.errors import SpecserveError
 from specserve.server import schemas
+from specserve.server.messages_request import MessagesRequest
+from specserve.server.responses_request import ResponsesRequest
 from tests import app_engine
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -28,7 +30,7 @@ CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.cont
           checks.response_schema_conformance]
 # Generation stays short on a CPU: at most this many tokens a request, whatever the example asked for.
 MAX_TOKENS = 4
-_LENGTH_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens")
+_LENGTH_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,10 @@ VALID: dict[type[BaseModel], dict[str, Any]] = {
     schemas.ApplyTemplateRequest: {"messages": [{"role": "system", "content": [{"type": "text", "text": "x"}]}]},
     schemas.TokenizeRequest: {"content": "Hello", "with_pieces": True},
     schemas.DetokenizeRequest: {"tokens": [1, 2]},
+    ResponsesRequest: {"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "c",
+                                                                      "output": "x"}], "max_output_tokens": 3},
+    MessagesRequest: {"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                      "tool_choice": {"type": "any"}, "stop_sequences": ["x"]},
 }
 
 json_values = st.recursive(
@@ -95,7 +101,8 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12)
 field_names = st.sampled_from(sorted({k for body in VALID.values() for k in body} | {
-    "speculative.type", "speculative.p_min", "seed", "top_p", "messages", "json_schema", "n", "suffix"}))
+    "speculative.type", "speculative.p_min", "seed", "top_p", "messages", "json_schema", "n", "suffix", "tools",
+    "input", "system", "instructions"}))
 
 
 @st.composite
@@ -114,7 +121,11 @@ def mutated(draw: st.DrawFn) -> tuple[type[BaseModel], dict[str, Any]]:
 
 def _parses_or_400(model: type[BaseModel], raw: bytes) -> None:
     try:
-        schemas.parse_body(model, raw)
+        req = schemas.parse_body(model, raw)
+        if isinstance(req, ResponsesRequest):  # these become chat requests: that is part of their parsing
+            req.chat(req.messages([]))
+        elif isinstance(req, MessagesRequest):
+            req.chat()
     except SpecserveError as exc:
         assert str(exc)  # a message for the 400
     # anything else (TypeError, ValueError, RecursionError, ...) fails the test: it would be a 500

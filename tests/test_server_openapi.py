@@ -59,3 +59,15 @@ def test_request_schemas_name_the_fields_the_server_reads() -> None:
     sse = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= sse.keys()
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_new_apis_and_their_error_shapes() -> None:
+    doc, _ = schema_and_routes()
+    schemas = doc["components"]["schemas"]
+    assert "input" in schemas["ResponsesRequest"]["properties"]
+    assert {"max_tokens", "messages"} <= set(schemas["MessagesRequest"]["required"])
+    for path, error in (("/v1/responses", "ErrorBody"), ("/v1/messages", "AnthropicErrorBody"),
+                        ("/v1/messages/count_tokens", "AnthropicErrorBody")):
+        answer = doc["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        assert answer["$ref"].endswith("/" + error), path
+    assert set(schemas["AnthropicErrorBody"]["required"]) == {"type", "error"}

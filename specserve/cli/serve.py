@@ -98,6 +98,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="generation requests that may wait for a free slot; more get 503 with Retry-After "
                         "(default 256)")
+    g.add_argument("--responses-store", type=int, default=256, metavar="N",
+                   help="past /v1/responses answers kept in memory for previous_response_id, the least recently "
+                        "used given up first, each for an hour at most (default 256; 0: none)")
     g.add_argument("--cors-origins", default="*",
                    help="browser origins allowed to call the API, comma-separated; '' for none (default *)")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
@@ -144,7 +147,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),
-        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, responses_store=args.responses_store,
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
         slot_save_path=args.slot_save_path, pooling=args.pooling,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),

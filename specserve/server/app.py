@@ -1,4 +1,4 @@
-"""The ASGI app: llama-server's native endpoints and the OpenAI-compatible ones.
+"""The ASGI app: llama-server's native endpoints, the OpenAI-compatible ones and Anthropic's Messages API.
 
 The model loads in a background thread after the server is listening, so `/health`
 answers 503 while loading and 200 once ready. Generation requests are tokenized here,
@@ -7,13 +7,14 @@ queued in the scheduler, and their events come back through an asyncio queue per
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,15 +28,27 @@ from specserve import __version__
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
-from specserve.server.builders import Builder, build_chat, build_completion, build_infill, build_v1_completion
+from specserve.server.builders import (
+    Builder,
+    build_chat,
+    build_completion,
+    build_infill,
+    build_messages,
+    build_responses,
+    build_v1_completion,
+    count_message_tokens,
+)
 from specserve.server.embeddings import embeddings
 from specserve.server.engine import Engine, ServerSettings
-from specserve.server.errors import RequestError, Unavailable, error_response
+from specserve.server.errors import RequestError, Unavailable, error_response, speaks_anthropic
 from specserve.server.limits import SHUTTING_DOWN, Admission, BodyLimitMiddleware
+from specserve.server.messages_request import CountTokensRequest, MessagesRequest
 from specserve.server.middleware import HttpMiddleware
 from specserve.server.openapi import operation
 from specserve.server.params import llama_params
 from specserve.server.request_log import RequestLogMiddleware
+from specserve.server.responses_request import ResponsesRequest
+from specserve.server.responses_store import ResponseStore
 from specserve.server.schemas import (
     ApplyTemplateRequest,
     ChatRequest,
@@ -65,6 +78,7 @@ class ServerState:
     api_key: str | None = None
     engine: Engine | None = None
     load_error: str | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for /v1/responses' previous_response_id
 
 
 class GateMiddleware(HttpMiddleware):
@@ -87,7 +101,7 @@ class GateMiddleware(HttpMiddleware):
         elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json") and not page:
             status, message = 503, "Loading model"
         if status:
-            await error_response(status, message)(scope, receive, send)
+            await error_response(status, message, path=path)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -125,7 +139,8 @@ def _detokenize(engine: Engine, body: bytes) -> bytes:
 def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: Engine | None = None,
                on_load_error: Callable[[str], None] | None = None, progress: bool = True) -> FastAPI:
     """The app; without `engine` the model loads in a background thread at startup."""
-    state = ServerState(settings, Admission(settings.n_parallel, settings.max_queue), api_key or None, engine)
+    state = ServerState(settings, Admission(settings.n_parallel, settings.max_queue), api_key or None, engine,
+                        responses=ResponseStore(settings.responses_store))
 
     def load() -> None:
         try:
@@ -164,32 +179,34 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    # Each answer in the shape of the path's API (error_response: Anthropic's on the Messages endpoints).
     @app.exception_handler(SpecserveError)
     async def bad_request(request: Request, exc: SpecserveError) -> JSONResponse:
+        path = request.url.path
         if isinstance(exc, RequestError):
-            return exc.response()
+            return error_response(exc.status, str(exc), path=path) if speaks_anthropic(path) else exc.response()
         if isinstance(exc, NotSupported):  # this set-up cannot (a flag not given, a remote runner): as llama-server
-            return error_response(501, str(exc))
+            return error_response(501, str(exc), path=path)
         if isinstance(exc, KVCacheFull):  # running requests hold the pool (a slot job's room): later, not never
-            return error_response(503, str(exc), headers={"Retry-After": "1"})
-        return error_response(400, str(exc))
+            return error_response(503, str(exc), headers={"Retry-After": "1"}, path=path)
+        return error_response(400, str(exc), path=path)
 
     @app.exception_handler(Unavailable)
     async def unavailable(request: Request, exc: Unavailable) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, f"invalid request: {exc.errors()[:3]}")
+        return error_response(400, f"invalid request: {exc.errors()[:3]}", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", path=request.url.path)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -234,6 +251,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, build_chat)
+
+    @app.post("/v1/responses", openapi_extra=operation(ResponsesRequest, stream=True))
+    async def responses(request: Request) -> Response:
+        return await generate(request, functools.partial(build_responses, state.responses))
+
+    @app.post("/v1/messages", openapi_extra=operation(MessagesRequest, stream=True, anthropic=True))
+    async def messages(request: Request) -> Response:
+        return await generate(request, build_messages)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=operation(CountTokensRequest, anthropic=True))
+    async def count_tokens(request: Request) -> Response:
+        def count(engine: Engine, body: bytes) -> bytes:
+            return json.dumps({"input_tokens": count_message_tokens(engine, body)}).encode()
+
+        return await off_loop(request, count)
 
     async def off_loop(request: Request, work: Callable[[Engine, bytes], bytes]) -> Response:
         body = await request.body()

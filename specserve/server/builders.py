@@ -4,14 +4,20 @@ build the Job: one task per prompt and choice, each with the format of its part 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from specserve.engine.tasks import Task
 from specserve.server.chat_output import OutputSpec
 from specserve.server.engine import Engine
 from specserve.server.formats import ChatFormat, CompletionFormat, Format, NativeFormat
 from specserve.server.infill import infill_prompt
+from specserve.server.messages_format import MessagesFormat
+from specserve.server.messages_request import CountTokensRequest, MessagesRequest
 from specserve.server.prompts import split_prompts
 from specserve.server.reasoning import prompt_opens_thinking
+from specserve.server.responses_format import ResponsesFormat
+from specserve.server.responses_request import ResponsesRequest, conversation
+from specserve.server.responses_store import ResponseStore
 from specserve.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -72,8 +78,9 @@ def build_v1_completion(engine: Engine, body: bytes) -> Job:
     return _job(tasks, make, req.stream, req.n)
 
 
-def build_chat(engine: Engine, body: bytes) -> Job:
-    req = parse_body(ChatRequest, body)
+def chat_tasks(engine: Engine, req: ChatRequest) -> tuple[list[Task], OutputSpec]:
+    """A chat request's tasks and how their text is read: the chat completions path, which the Responses and
+    Messages APIs take too."""
     engine.check_model(req.model)
     plan = engine.tool_plan(req, own_constraint=req.grammar_source() is not None)
     prompt, text = engine.chat_prompt(req, plan, req.parse_special)
@@ -81,9 +88,45 @@ def build_chat(engine: Engine, body: bytes) -> Job:
     n_probs = (req.top_logprobs or 1) if req.logprobs else 0
     tasks = engine.make_tasks(req, [prompt], max_tokens, n_probs, req.n, grammar=plan.grammar,
                               keep_special=plan.keep_special)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     output = OutputSpec(reasoning_format=req.reasoning_format or engine.settings.reasoning_format,
                         started_open=prompt_opens_thinking(text), tool_format=plan.parse_format,
                         tool_names=plan.names)
+    return tasks, output
+
+
+def build_chat(engine: Engine, body: bytes) -> Job:
+    req = parse_body(ChatRequest, body)
+    tasks, output = chat_tasks(engine, req)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return _job(tasks, lambda _, t: ChatFormat(engine, t, include_usage, req.top_logprobs or 0, output),
                 req.stream, req.n)
+
+
+def build_responses(store: ResponseStore, engine: Engine, body: bytes) -> Job:
+    """POST /v1/responses: the chat path over the conversation (the stored one it goes on from, then its input);
+    the answer's conversation is stored under its id when it is complete, unless the request says store false."""
+    req = parse_body(ResponsesRequest, body)
+    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
+    messages = req.messages(history)
+    tasks, output = chat_tasks(engine, req.chat(messages))
+
+    def keep(response_id: str, items: list[dict[str, Any]]) -> None:
+        store.put(response_id, [*messages, *conversation(items)])
+
+    on_done = keep if req.store else None
+    return _job(tasks, lambda _, t: ResponsesFormat(engine, t, output, req.echo(), on_done), req.stream)
+
+
+def build_messages(engine: Engine, body: bytes) -> Job:
+    """POST /v1/messages: the chat path, answered as Anthropic's Messages API."""
+    req = parse_body(MessagesRequest, body)
+    tasks, output = chat_tasks(engine, req.chat())
+    return _job(tasks, lambda _, t: MessagesFormat(engine, t, output), req.stream)
+
+
+def count_message_tokens(engine: Engine, body: bytes) -> int:
+    """POST /v1/messages/count_tokens: the tokens of the prompt /v1/messages renders for the same request."""
+    chat = parse_body(CountTokensRequest, body).chat()
+    engine.check_model(chat.model)
+    prompt, _ = engine.chat_prompt(chat, engine.tool_plan(chat), chat.parse_special)
+    return len(prompt)

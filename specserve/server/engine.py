@@ -66,6 +66,7 @@ class ServerSettings:
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
+    responses_store: int = 256  # past /v1/responses kept for previous_response_id (responses_store.py); 0: none
     cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
     slot_save_path: str | None = None  # directory of /slots save/restore files; None: those actions are 501
     pooling: str | None = None  # embeddings: "mean" or "last"; None: the GGUF's pooling_type if one of them, else mean
@@ -112,6 +113,8 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
     if s.max_queue < 0:
         raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
+    if s.responses_store < 0:
+        raise SpecserveError(f"--responses-store must not be negative, got {s.responses_store}")
     if s.pooling is not None and s.pooling not in POOLINGS:
         raise SpecserveError(f"--pooling must be one of {', '.join(POOLINGS)}, got {s.pooling!r}")
     if s.reasoning_format not in REASONING_FORMATS:

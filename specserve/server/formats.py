@@ -10,6 +10,7 @@ once: `tail` (the stream's last events) and `combine` (the body).
 from __future__ import annotations
 
 import functools
+import json
 import secrets
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from specserve.engine.tasks import Chunk, Result, Task, TokenProb
 from specserve.server.chat_output import ChatOutput, OutputSpec, delta_json, finish_reason, message_json, read_message
 from specserve.server.engine import Engine
+from specserve.server.errors import error_body
 from specserve.server.params import llama_params
 
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
@@ -34,6 +36,7 @@ def usage(results: list[Result], formats: list[Format]) -> dict[str, Any]:
 
 class Format:
     done_marker = False  # OpenAI streams end with `data: [DONE]`
+    named_events = False  # each event has an `event:` line with its `type` (the Responses and Messages APIs)
 
     def __init__(self, engine: Engine, task: Task):
         self.engine = engine
@@ -66,6 +69,19 @@ class Format:
 
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         raise NotImplementedError
+
+    def sse(self, obj: dict[str, Any]) -> str:
+        """One server-sent event."""
+        data = f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return f"event: {obj['type']}\n{data}" if self.named_events else data
+
+    def error(self, status: int, message: str) -> dict[str, Any]:
+        """An error's body in this API's shape."""
+        return error_body(status, message)
+
+    def stream_error(self, status: int, message: str) -> dict[str, Any]:
+        """The event that ends a stream that failed."""
+        return self.error(status, message)
 
     def _piece(self, token: int) -> str:
         return self.engine.token_piece(token)

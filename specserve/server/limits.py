@@ -46,7 +46,7 @@ class BodyLimitMiddleware(HttpMiddleware):
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             # Answer without reading: the server discards the rest of the body as it arrives.
-            await error_response(413, _too_large(self.max_bytes))(scope, receive, send)
+            await error_response(413, _too_large(self.max_bytes), path=scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -29,7 +29,19 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-_models: list[type[BaseModel]] = [ErrorBody]
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Errors on the Anthropic Messages endpoints."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
+_models: list[type[BaseModel]] = [ErrorBody, AnthropicErrorBody]
 
 
 # One server-sent event of a stream (as OpenAPI 3.2's itemSchema for text/event-stream, which fuzzers apply
@@ -42,15 +54,16 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(ErrorBody)}}}
-
-
 def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text: bool = False,
-              array: bool = False, not_supported: bool = False) -> dict[str, Any]:
+              array: bool = False, not_supported: bool = False, anthropic: bool = False) -> dict[str, Any]:
     """openapi_extra for a route: the body it parses, its 200 answer (a JSON object, or array; SSE if it
     streams, or text) and the errors any route may answer; not_supported: a 501 when a flag turned the
-    endpoint off."""
+    endpoint off; anthropic: its errors have Anthropic's shape."""
+    error_schema = _ref(AnthropicErrorBody if anthropic else ErrorBody)
+
+    def _error(description: str) -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": error_schema}}}
+
     answer = {"type": "array", "items": {"type": "object"}} if array else {"type": "object"}
     ok: dict[str, Any] = {"application/json": {"schema": answer}}
     if stream:
@@ -71,7 +84,7 @@ def operation(body: type[BaseModel] | None = None, *, stream: bool = False, text
             _models.append(body)
         out["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
         out["responses"]["400"] = _error("invalid request")
-        out["responses"]["404"] = _error("unknown model (OpenAI endpoints)")
+        out["responses"]["404"] = _error("unknown model (OpenAI and Anthropic endpoints), or previous_response_id")
         out["responses"]["500"] = _error("the generation failed")
     return out
 

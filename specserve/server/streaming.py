@@ -7,7 +7,6 @@ cancels its tasks. Every response holds its admission ticket until it is complet
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -19,14 +18,10 @@ from starlette.types import Receive, Scope, Send
 
 from specserve.engine.tasks import Chunk, Event, Failure, Result, Task
 from specserve.server.engine import Engine
-from specserve.server.errors import Unavailable, error_body, error_response
+from specserve.server.errors import Unavailable
 from specserve.server.formats import Format
 from specserve.server.limits import Interrupted, Ticket
 from specserve.server.request_log import note_result
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 @dataclass
@@ -156,7 +151,7 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
     formats = job.formats
     for fmt in formats:
         for obj in fmt.start():
-            yield sse(obj)
+            yield fmt.sse(obj)
     results: dict[int, Result] = {}
     failed = False
     while len(results) < len(formats) and not failed:
@@ -167,12 +162,13 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
         for item in items:
             i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
-                out += [sse(obj) for obj in formats[i].chunk(event)]
+                out += [formats[i].sse(obj) for obj in formats[i].chunk(event)]
             elif isinstance(event, Result):
                 results[i] = event
-                out += [sse(obj) for obj in formats[i].final(event)]
+                out += [formats[i].sse(obj) for obj in formats[i].final(event)]
             else:  # Failure, or the server ending the stream
-                out.append(sse(error_body(503 if isinstance(event, Interrupted) else 500, event.message)))
+                status = 503 if isinstance(event, Interrupted) else 500
+                out.append(formats[0].sse(formats[0].stream_error(status, event.message)))
                 failed = True
                 break
         if out:
@@ -181,7 +177,7 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
         ordered = [results[i] for i in range(len(formats))]
         _note(request, ordered)
         for obj in formats[0].tail(ordered, formats):
-            yield sse(obj)
+            yield formats[0].sse(obj)
     if formats[0].done_marker:
         yield "data: [DONE]\n\n"
 
@@ -201,6 +197,11 @@ class TicketStream(StreamingResponse):
             self.ticket.release()
 
 
+def _error(job: Job, status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error answer in the shape of the job's API."""
+    return JSONResponse(job.formats[0].error(status, message), status_code=status, headers=headers)
+
+
 async def respond(request: Request, engine: Engine, job: Job, ticket: Ticket) -> Response:
     """Submit the job's tasks and answer; the ticket is released (and tasks still running cancelled) when
     the answer is complete or abandoned, e.g. when Starlette cancels a stream whose client went away."""
@@ -212,9 +213,9 @@ async def respond(request: Request, engine: Engine, job: Job, ticket: Ticket) ->
     except ClientGone:
         return Response(status_code=499)
     except Unavailable as exc:
-        return exc.response()
+        return _error(job, 503, str(exc), {"Retry-After": str(exc.retry_after)})
     except RuntimeError as exc:
-        return error_response(500, str(exc))
+        return _error(job, 500, str(exc))
     finally:
         ticket.release()
     formats = job.formats
