@@ -74,3 +74,44 @@ def test_a_task_with_a_prediction_writes_greedy_text_in_fewer_steps(smollm_runne
                 assert accepted >= 30 and result.n_steps <= 8, (result.draft_sources, result.n_steps)
             if prediction is edited:
                 assert accepted >= 20, result.draft_sources
+
+
+# ---- through the server -----------------------------------------------------------------------------------------
+
+
+def test_predicted_outputs_through_the_openai_client() -> None:
+    """`prediction` on chat completions, as OpenAI's client sends it: the same text as without, in fewer steps, and
+    usage says how many prediction tokens the answer took; /v1/completions and /completion take it too."""
+    import openai
+
+    from tests import app_engine
+
+    http = app_engine.client()
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    messages = [{"role": "user", "content": "Write the numbers from one to twelve in words, comma separated."}]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40,
+                                           extra_body={"speculative.n_max": 0})
+    text = plain.choices[0].message.content
+    assert text and plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    edited = text.replace("five", "5", 1) if "five" in text else "Sure: " + text
+    for prediction, least in ((text, 20), (edited, 10)):
+        got = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40,
+                                             prediction={"type": "content", "content": prediction})
+        details = got.usage.completion_tokens_details
+        assert got.choices[0].message.content == text
+        assert details.accepted_prediction_tokens >= least, details
+        assert got.timings["draft_sources"]["prediction"]["accepted"] == details.accepted_prediction_tokens  # type: ignore[attr-defined]
+        assert got.timings["predicted_n"] == plain.timings["predicted_n"]  # type: ignore[attr-defined]
+
+    prompt = "Count: one, two, three, four, five, six, seven,"
+    base = http.post("/completion", json={"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                          "speculative.n_max": 0}).json()
+    native = http.post("/completion", json={"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                            "prediction": {"type": "content", "content": base["content"]}}).json()
+    assert native["content"] == base["content"] and native["timings"]["draft_sources"]["prediction"]["accepted"] > 0
+    legacy = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0,
+                                       extra_body={"prediction": {"type": "content", "content": base["content"]}})
+    assert legacy.choices[0].text == base["content"]
+    assert legacy.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    bad = http.post("/completion", json={"prompt": prompt, "prediction": {"type": "image", "content": "x"}})
+    assert bad.status_code == 400

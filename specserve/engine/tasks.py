@@ -111,6 +111,8 @@ class Result:
             "prompt_per_token_ms": p_tok, "prompt_per_second": p_sec, "predicted_n": self.n_predicted,
             "predicted_ms": self.predicted_ms, "predicted_per_token_ms": g_tok, "predicted_per_second": g_sec,
             "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
+            # by source (a speculator's name: "prediction", "ngram_suffix", "draft_model", ...)
+            "draft_sources": {name: {"n": n, "accepted": a} for name, (n, a) in self.draft_sources.items()},
         }
 
 

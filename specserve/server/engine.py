@@ -276,6 +276,9 @@ class Engine:
         bias = resolve_logit_bias(self.encoder, fields.logit_bias) if fields.logit_bias else {}
         logit_bias = LogitBias(bias) if bias else None  # (read-only: the tasks share it)
         source = fields.grammar_source() or grammar
+        # plain text: a prediction that spells a control token must not become one
+        prediction = (self.encoder.encode(fields.prediction.text(), add_special=False, parse_special=False)
+                      if fields.prediction is not None else None)
         tasks = []
         for prompt in prompts:
             if not prompt:
@@ -293,7 +296,8 @@ class Engine:
                 tasks.append(Task(prompt=prompt, sampling=replace(sampling, seed=choice_seed(sampling.seed, choice)),
                                   spec=spec, n_predict=limit, stop=fields.stop_list(),
                                   cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
-                                  constraint=constraint, logit_bias=logit_bias, keep_special=keep_special))
+                                  constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
+                                  prediction=prediction or None))
         return tasks
 
     def default_params(self) -> dict[str, object]:

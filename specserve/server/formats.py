@@ -30,8 +30,13 @@ def usage(results: list[Result], formats: list[Format]) -> dict[str, Any]:
     firsts = [r for r, f in zip(results, formats, strict=True) if f.counts_prompt]
     n_prompt = sum(r.n_prompt for r in firsts)
     n_predicted = sum(r.n_predicted for r in results)
+    drafted = [r.draft_sources.get("prediction", (0, 0)) for r in results]
+    accepted = sum(a for _, a in drafted)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_predicted, "total_tokens": n_prompt + n_predicted,
-            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.n_cached for r in firsts)},
+            # as OpenAI counts predicted outputs: prediction tokens the answer took, and those it did not
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": sum(g for g, _ in drafted) - accepted}}
 
 
 class Format:

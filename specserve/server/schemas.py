@@ -50,6 +50,21 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
+class PredictionPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the answer is expected to repeat (the file being edited), a draft source."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ResponseFormat(_Strict):
     """OpenAI's response_format; `schema` beside type json_object is llama-server's extension."""
 
@@ -98,6 +113,7 @@ class GenerationFields(_Strict):
     response_format: ResponseFormat | None = None
     # llama-server's [[token id or text, bias or false], ...] or OpenAI's {"token id": bias} (server/prompts.py)
     logit_bias: LogitBiasInput | None = None
+    prediction: Prediction | None = None  # OpenAI's; on every generation endpoint (llama-server has none)
 
     @model_validator(mode="before")
     @classmethod
