@@ -1,7 +1,7 @@
 """A change's worth, measured against the tree before it on the same machine: two package trees alternated.
 
-A host's speed differs from one lease (machine) to the next by more than most host-side changes are worth,
-so a before / after pair is only comparable from one lease, in turns. Each run is a fresh process with its
+A host's speed differs from one machine to the next by more than most host-side changes are worth,
+so a before / after pair is only comparable on one machine, in turns. Each run is a fresh process with its
 tree first on PYTHONPATH (a tree: a directory holding specserve/, e.g. `git worktree add /tmp/before HEAD~1`).
 
 Measures:

@@ -25,8 +25,8 @@ PROMPTS = [
 @pytest.fixture(autouse=True)
 def exact_cpu_products(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model against HF at 1e-3: the CPU's exact fp32 products. The int8 ones round activations (~0.4% a
-    product); tests/test_quant_cpu.py bounds them and docs/architecture.md (CPU path) gives their greedy
-    agreement."""
+    product); tests/test_quant_cpu.py bounds them and docs/perf.md (how far the int8 products move the model)
+    gives their greedy agreement."""
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
 
 

@@ -1,8 +1,9 @@
 """Constrained output: a GBNF grammar or a JSON schema masks the logits of every sampled position.
 
-The field library is llguidance (docs/architecture.md says why). `GrammarCompiler` holds the vocabulary
-in llguidance's form (built once per tokenizer) and a cache of compiled grammars; `compile()` gives each
-request a `Constraint` of its own: the matcher state of that task, which lives with the task and its slot.
+The field library is llguidance (docs/architecture.md says why, docs/perf.md compares the libraries).
+`GrammarCompiler` holds the vocabulary in llguidance's form (built once per tokenizer) and a cache of compiled
+grammars; `compile()` gives each request a `Constraint` of its own: the matcher state of that task, which lives
+with the task and its slot.
 
 Per step the scheduler asks a constrained slot's `Constraint` for the masks of its rows (`apply`): row i is
 the target's view after draft[:i], so the matcher walks the draft, computes one mask per row and rolls back

@@ -7,7 +7,8 @@ Two kernels, chosen here per product (callers never choose):
   weight word's k (8 values for 4-bit fields, 4 for 8-bit), or per weight group where the kernel's grouped
   layout runs (`grouped`: AVX-512, 4 words a group), and multiplied as integers (vpdpbusd on AVX-512 VNNI,
   exact 16-bit multiply-adds on AVX2), as llama.cpp does: the product of W with the rounded activations.
-  Approximate: docs/architecture.md (CPU path) gives its logit error and greedy agreement.
+  Approximate: docs/perf.md (2026-12-03, how far the int8 products move the model) gives its logit error and
+  greedy agreement.
 - fp32 (cpu/gemv_q.c): exact integers times fp32 activations (relative error ~4e-7 against the dequantized
   product). Taken with SPECSERVE_CPU_EXACT=1.
 Both are built for AVX-512 VNNI or for AVX2 + FMA + F16C, whichever the CPU has (cpu/build.py).

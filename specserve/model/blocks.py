@@ -1,6 +1,6 @@
 """The blocks decoder families stack: embedding, attention, the dense SwiGLU feed-forward, the output head.
 
-Each block is written once over the kernels' decoder-step ops (kernels.linear: NormQKVRope, LinearAdd,
+Each block is written once over the kernels' decoder-step ops (kernels.step_ops: NormQKVRope, LinearAdd,
 NormFeedForwardAdd, NormLinear) on the step's ResidualStream; the ops, not the blocks, pick fused kernels
 or the reference composition. A family that differs in one block (a mixture of experts' feed-forward)
 brings that block and reuses the rest.
