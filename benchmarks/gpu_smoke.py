@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +51,9 @@ def tests_row(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     rc, secs, out = run("tests", [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *workers,
                                   *GPU_TESTS], args.test_timeout, log_dir)
-    summary = next((line for line in reversed(out.splitlines()) if " in " in line and "=" in line), "no summary")
+    # pytest -q ends with "N passed, M failed in S s", with or without "=" around it
+    summary = next((line for line in reversed(out.splitlines())
+                    if re.search(r"\d+ (passed|failed|error)", line) and " in " in line), "no summary")
     failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
     return {"part": "GPU tests", "result": summary.strip("= "), "ok": rc == 0, "seconds": round(secs),
             "failed": failed}
