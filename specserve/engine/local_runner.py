@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,9 +22,27 @@ from specserve.model.kv_blocks import BLOCK_SIZE
 from specserve.model.kv_cache import PagedKV
 from specserve.model.kv_ledger import KVLedger
 from specserve.model.transformer import Transformer
-from specserve.model.weights import ModelWeights, load_weights, quantize_weights, resolve_weight_format
+from specserve.model.weights import (
+    ModelWeights,
+    add_dense_copies,
+    load_weights,
+    quantize_weights,
+    resolve_weight_format,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 4096  # positions a sequence may reach when not told (the model's context if shorter)
+DENSE_COPY_SHARE = 0.25  # packed matrices get dense copies on CUDA if these fit in this share of the card
+
+
+def dense_copy_budget(device: torch.device) -> int:
+    """Bytes the dense copies of packed matrices may take (kernels.linear): none off CUDA or with
+    SPECSERVE_DENSE_COPIES=0 (for A/B runs), else a share of the card, at most half of what is free."""
+    if device.type != "cuda" or os.environ.get("SPECSERVE_DENSE_COPIES") == "0":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return int(min(total * DENSE_COPY_SHARE, free / 2))
 
 
 def default_device() -> torch.device:
@@ -110,6 +130,9 @@ class LocalRunner:
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
+        dense = add_dense_copies(weights, weights.embed.dtype, dense_copy_budget(self.device))
+        if dense:
+            log.info("dense copies of the packed matrices for steps of many rows: %.2f GB", dense / 1e9)
         self.dtype = weights.embed.dtype
         self.n_ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
         if self.n_ctx < 1 or n_seqs < 1 or (kv_size is not None and kv_size < 1):

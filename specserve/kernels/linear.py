@@ -17,12 +17,17 @@ input and the bias into their output. More rows (prefill) dequantize to the acti
 and use cuBLAS, where arithmetic, not bytes, dominates. Triton's float kernel beats cuBLAS for
 one row on every projection of qwen2.5-coder-1.5b, so one-row float products
 use it; cuBLAS keeps every multi-row float product.
+
+A packed matrix may also carry a dense copy (`QuantWeight.dense`, the same dequantized values, made
+once at load where memory allows): products of more rows than one sequence's step takes (a batch of
+many sequences' decode rows, prompt chunks) then run on cuBLAS over it instead of in 16-row slices of
+the packed kernel or dequantizing every step. Batch-invariant steps keep the packed kernel.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,10 @@ MAX_GEMV_ROWS = 16  # above this, cuBLAS on bf16 wins (arithmetic-bound)
 # Quantized products up to this many rows take the CUDA kernels (16-row slices above 16), so a
 # verify step of 17+ tokens computes what decode steps compute; longer ones (prefill) dequantize for cuBLAS.
 MAX_SLICED_ROWS = 64
+# Products of at least this many rows use a matrix's dense copy where it has one. One sequence's step stays
+# below it (LocalRunner.draft_limit keeps a verify step within MAX_GEMV_ROWS on packed weights), so its rows
+# compute what its decode rows compute.
+DENSE_MIN_ROWS = MAX_GEMV_ROWS + 1
 
 
 @dataclass
@@ -51,6 +60,7 @@ class QuantWeight:
     bits: int
     group: int
     u_max: int = 255  # the largest u stored (Q6_K's 6-bit values: 63; CUDA converts u < 128 more cheaply)
+    dense: torch.Tensor | None = field(default=None, repr=False, compare=False)  # see the module docstring
 
     @property
     def shape(self) -> torch.Size:
@@ -156,8 +166,18 @@ def _triton_gemv_float(rows: int) -> bool:
     return rows == 1 and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
 
 
+def dense_copy(x: torch.Tensor, w: Weight) -> torch.Tensor | None:
+    """The dense copy of packed w that a product with x's rows runs on, if any (module docstring)."""
+    if not isinstance(w, QuantWeight) or w.dense is None or w.dense.dtype != x.dtype:
+        return None
+    rows = x.numel() // x.shape[-1]
+    return w.dense if rows >= DENSE_MIN_ROWS and not batch_invariant.applies(x) else None
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    dense = dense_copy(x, w)
+    w = w if dense is None else dense
     quant = isinstance(w, QuantWeight)
     cpu_packed = quant and not x.is_cuda
     if cpu_packed and not triton_enabled(x):  # first: a CPU decode step makes ~120 of these

@@ -14,7 +14,7 @@ import torch
 
 from specserve.kernels import batch_invariant
 from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.linear import MAX_SLICED_ROWS, QuantWeight, Weight, linear
+from specserve.kernels.linear import MAX_SLICED_ROWS, QuantWeight, Weight, dense_copy, linear
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import RopeWrite, rope_and_cache
 
@@ -25,7 +25,7 @@ def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
     residual stream (`linear_fused`) and apply SwiGLU to their output (`feed_forward`)."""
     rows = x.numel() // x.shape[-1]
     if not (isinstance(w, QuantWeight) and (rows <= MAX_SLICED_ROWS or batch_invariant.applies(x))
-            and triton_enabled(x)):
+            and triton_enabled(x)) or dense_copy(x, w) is not None:
         return False
     from specserve.kernels import quant_cuda
 

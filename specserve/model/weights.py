@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
+from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize, dequantize_ref, quantize_q8
 from specserve.kernels.moe_experts import ExpertMatrix, QuantExperts, experts_stay_packed
 from specserve.model.config import ModelConfig
 
@@ -149,6 +149,20 @@ def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
     if not isinstance(weights.output, QuantWeight):
         weights.output = quantize_q8(weights.output)
     return weights
+
+
+def add_dense_copies(weights: ModelWeights, dtype: torch.dtype, budget: int) -> int:
+    """Give each packed matrix of the dense layers and the output head its dequantized copy in `dtype`
+    (QuantWeight.dense: steps of many rows run on cuBLAS over it), if all of them fit in `budget` bytes.
+    Stacked experts get none. Returns the bytes added (0: none)."""
+    found = [getattr(layer, name) for layer in weights.layers for name in MATRICES] + [weights.output]
+    packed = list({id(w): w for w in found if isinstance(w, QuantWeight)}.values())
+    need = sum(w.shape.numel() for w in packed) * torch.empty((), dtype=dtype).element_size()
+    if not packed or need > budget:
+        return 0
+    for w in packed:
+        w.dense = dequantize(w, dtype)
+    return need
 
 
 def _fuse(parts: list[Weight], dtype: torch.dtype) -> Weight:
