@@ -75,7 +75,8 @@ def test_cuda_products_take_the_packed_kernel_up_to_one_sequences_rows() -> None
         torch.testing.assert_close(linear(x[:rows], w), packed[rows], rtol=0, atol=0)
     for rows in (17, 48):
         torch.testing.assert_close(linear(x[:rows], w), F.linear(x[:rows], w.dense), rtol=0, atol=0)
-        torch.testing.assert_close(linear(x[:rows], w), packed[rows], rtol=2e-2, atol=2e-2)
+        scale = packed[rows].abs().max().item()  # bf16 rounding of values near it: one part in 2^8
+        torch.testing.assert_close(linear(x[:rows], w), packed[rows], rtol=0, atol=0.02 * scale)
     was = batch_invariant.enabled()
     batch_invariant.enable(True)
     try:
