@@ -61,7 +61,6 @@ def build_infill(engine: Engine, body: bytes) -> Job:
 
 def build_v1_completion(engine: Engine, body: bytes) -> Job:
     req = parse_body(OpenAICompletionRequest, body)
-    engine.check_model(req.model)
     prompts = engine.tokenize_prompts(req.prompt)
     n_predict = req.n_predict if req.n_predict is not None else req.max_tokens  # llama-server's name wins
     tasks = engine.make_tasks(req, prompts, n_predict, req.logprobs or 0, req.n)
@@ -81,7 +80,6 @@ def build_v1_completion(engine: Engine, body: bytes) -> Job:
 def chat_tasks(engine: Engine, req: ChatRequest) -> tuple[list[Task], OutputSpec]:
     """A chat request's tasks and how their text is read: the chat completions path, which the Responses and
     Messages APIs take too."""
-    engine.check_model(req.model)
     plan = engine.tool_plan(req, own_constraint=req.grammar_source() is not None)
     prompt, text = engine.chat_prompt(req, plan, req.parse_special)
     max_tokens = next((n for n in (req.n_predict, req.max_completion_tokens, req.max_tokens) if n is not None), None)
@@ -127,6 +125,5 @@ def build_messages(engine: Engine, body: bytes) -> Job:
 def count_message_tokens(engine: Engine, body: bytes) -> int:
     """POST /v1/messages/count_tokens: the tokens of the prompt /v1/messages renders for the same request."""
     chat = parse_body(CountTokensRequest, body).chat()
-    engine.check_model(chat.model)
     prompt, _ = engine.chat_prompt(chat, engine.tool_plan(chat), chat.parse_special)
     return len(prompt)

@@ -33,10 +33,8 @@ def normalize(vector: torch.Tensor, p: int) -> torch.Tensor:
     return vector / norm if norm > 0 else torch.zeros_like(vector)
 
 
-def _parse(engine: Engine, body: bytes, openai: bool) -> tuple[EmbeddingRequest, list[list[int]]]:
+def _parse(engine: Engine, body: bytes) -> tuple[EmbeddingRequest, list[list[int]]]:
     req = parse_body(EmbeddingRequest, body)
-    if openai:
-        engine.check_model(req.model)
     inputs = engine.tokenize_prompts(req.texts())
     for tokens in inputs:
         if not tokens:
@@ -50,7 +48,7 @@ async def embeddings(engine: Engine, admission: Admission, body: bytes, openai: 
     """The answer's JSON: llama-server's list of {index, embedding: [vector]}, or OpenAI's list object."""
     ticket = admission.admit()  # each input waits for a slot like a generation: the queue limit counts it
     try:
-        req, inputs = await run_in_threadpool(_parse, engine, body, openai)
+        req, inputs = await run_in_threadpool(_parse, engine, body)
         admission.widen(ticket, len(inputs))
         work = [functools.partial(slot_state.embed, engine.runner, tokens=tokens, n_batch=engine.settings.n_batch,
                                   pooling=engine.pooling) for tokens in inputs]

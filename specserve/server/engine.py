@@ -28,7 +28,7 @@ from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.config import ModelConfig
 from specserve.server.chat_tokens import ControlTokens
 from specserve.server.chat_tools import ToolPlan, ToolStyle, plan_tools
-from specserve.server.errors import ContextSizeError, ModelNotFound
+from specserve.server.errors import ContextSizeError
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
 from specserve.server.reasoning import FORMATS as REASONING_FORMATS
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
@@ -167,11 +167,6 @@ class Engine:
         self.aliases = [a.strip() for a in (settings.alias or "").split(",") if a.strip()]
         name = self.aliases[0] if self.aliases else settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
-        # What a request's `model` may say: the name shown, every alias, the catalog name or path given,
-        # and the file's name with or without .gguf.
-        given = settings.model or catalog.DEFAULT_MODEL
-        self.model_names = {self.model_name, given, Path(given).name, Path(given).stem, model_path.name,
-                            model_path.stem, *self.aliases}
 
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
@@ -203,10 +198,6 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.model_names:  # absent or "": whatever is served
-            raise ModelNotFound(model, self.model_name)
 
     # -- prompts ------------------------------------------------------------------------------------
 

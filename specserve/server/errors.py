@@ -73,15 +73,3 @@ class ContextSizeError(RequestError):
     def response(self) -> JSONResponse:
         return error_response(400, str(self), type="exceed_context_size_error",
                               n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
-
-
-class ModelNotFound(RequestError):
-    """`model` names no model this server serves: 404 with OpenAI's error (its code is a string)."""
-
-    status = 404
-
-    def __init__(self, model: str, served: str):
-        super().__init__(f"The model `{model}` does not exist; this server serves `{served}`")
-
-    def response(self) -> JSONResponse:
-        return error_response(404, str(self), code="model_not_found", type="invalid_request_error", param="model")
