@@ -28,6 +28,7 @@ def test_accepted_flags_and_what_they_set(caplog: pytest.LogCaptureFixture) -> N
     assert settings("--no-mmap").mmap is False
     assert settings("-dio").mmap is False and settings("--direct-io", "--no-direct-io").mmap is True
     assert settings("--no-slots").endpoint_slots is False and settings("--no-slots", "--slots").endpoint_slots
+    assert settings().webui and settings("--no-webui").webui is False and settings("--no-ui").webui is False
     assert settings("--tags", "a, b,,c").tags == ["a", "b", "c"]
     assert settings("-a", "x,y").alias == "x,y"
     assert settings("--chat-template", "chatml").chat_template == BUILTIN_TEMPLATES["chatml"]

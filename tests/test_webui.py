@@ -106,6 +106,16 @@ def test_page_is_served_while_the_model_loads() -> None:
     assert client.get("/props").status_code == 503
 
 
+def test_no_webui_serves_the_api_alone() -> None:
+    """--no-webui: no page and no static files, nor their pass past the API key and the loading gate."""
+    app = create_app(ServerSettings(webui=False))
+    assert not {"/", "/static"} & {getattr(route, "path", None) for route in app.routes}
+    client = TestClient(app)  # no lifespan: the model never loads
+    assert client.get("/").status_code == 503 and client.get("/static/app.js").status_code == 503
+    keyed = TestClient(create_app(ServerSettings(webui=False), api_key="k"))
+    assert keyed.get("/").status_code == 401
+
+
 def test_page_is_self_contained_and_escapes_output() -> None:
     files = {p.name: p.read_text() for p in STATIC_DIR.iterdir()}
     assert set(files) == {"index.html", "app.js", "app.css"}

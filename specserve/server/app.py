@@ -95,7 +95,8 @@ class GateMiddleware(HttpMiddleware):
         if self.state.admission.draining:  # /health too: a load balancer stops sending here
             await Unavailable(SHUTTING_DOWN).response()(scope, receive, send)
             return
-        page = webui.is_page_path(path)  # the chat page and its files: no key, and served while loading
+        # the chat page and its files: no key, and served while loading
+        page = self.state.settings.webui and webui.is_page_path(path)
         if self.state.api_key and path not in PUBLIC_PATHS and not page and not self._key_ok(scope):
             status, message = 401, "Invalid API Key"
         elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json") and not page:
@@ -173,7 +174,8 @@ def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: 
     app.add_middleware(RequestLogMiddleware)  # outermost: every answer is logged
     _add_error_handlers(app)
     _add_routes(app, state)
-    webui.install(app)
+    if settings.webui:
+        webui.install(app)
     openapi.install(app)
     return app
 

@@ -64,6 +64,7 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja text replacing the GGUF's template (--chat-template[-file])
     mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
+    webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503
     responses_store: int = 256  # past /v1/responses kept for previous_response_id (responses_store.py); 0: none
