@@ -266,6 +266,18 @@ class ChatTemplateFields(_Strict):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message is continued, as a trailing assistant message always is here; it
+    # asks for add_generation_prompt false, as there
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _continued_message(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: set "
+                             "add_generation_prompt to false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
 
     @model_validator(mode="after")
     def _valid_tools(self) -> ChatTemplateFields:
