@@ -93,11 +93,14 @@ def main() -> None:
     ap.add_argument("--release-us", type=float, default=0.0, help="GIL-free time per launch")
     ap.add_argument("--miss", type=float, default=0.12, help="share of positions where the model leaves the prompt")
     ap.add_argument("--newline", type=int, default=198, help="the token written there")
+    ap.add_argument("--draft-policy", choices=("adaptive", "gated", "always"), default="adaptive",
+                    help="as `specserve serve --draft-policy`")
     args = ap.parse_args()
     path = catalog.resolve("smollm2-135m")
     gguf = GGUFFile(path)
     tokenizer = Tokenizer.from_gguf(gguf)
-    settings = ServerSettings(model=str(path), n_parallel=args.slots)
+    settings = ServerSettings(model=str(path), n_parallel=args.slots, adaptive_drafts=args.draft_policy != "always",
+                              chain_drafts=args.draft_policy == "adaptive")
     vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
     runner = PromptEchoRunner(gguf, args.slots, args.ctx, vocab, args)
     engine = Engine(settings, path, runner, None, tokenizer)  # type: ignore[arg-type]

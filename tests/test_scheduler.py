@@ -339,3 +339,32 @@ def test_the_next_step_is_in_flight_before_a_steps_tokens_are_handed_out(target:
     assert isinstance(result, Result) and result.draft_n > 0 and text == plain_text
     assert any(n > 1 for n in sizes[:-1]), sizes  # a drafted step that did not end the task
     assert all(in_flight[:-1]), in_flight  # every chunk but the last: the next step was running already
+
+
+def test_many_slots_draft_in_chained_steps_with_the_same_text(smollm_path: Path, tokenizer: Tokenizer) -> None:
+    """Past the gate's slot count, drafts ride chained steps: the next step assumes each draft accepted whole
+    and a slot whose draft fell short drops its queued rows. Texts stay the reference's, and drafts were
+    verified (without chaining, nothing drafts there)."""
+    n = 10
+    runner = LocalRunner(smollm_path, n_seqs=n, n_ctx=160, device="cpu", progress=False)
+    factory = lambda s, slot: build_chain(s, None, seq=slot)  # noqa: E731
+    reference = Scheduler(runner, tokenizer, n_batch=64, overlap=False, chain_factory=factory)
+    prompts = [f"def f{i}(a, b):\n    return a + b * {i}\n\ndef f{i}(a, b):\n    return a + b * {i}\n\ndef f{i}(a"
+               for i in range(n)]
+    expected = [generate(runner, tokenizer, tokenizer.encode(p), 24, scheduler=reference).tokens for p in prompts]
+    accepted = {}
+    for chain_drafts in (True, False):
+        sched = Scheduler(runner, tokenizer, n_batch=64, chain_factory=factory, chain_drafts=chain_drafts)
+        sched.start()
+        try:
+            pending = [submit(sched, tokenizer, p, n_predict=24, spec=SpecParams(type="ngram-suffix"))
+                       for p in prompts]
+            results = [wait(events) for _, events in pending]
+            assert all(isinstance(r, Result) for _, r in results)
+            tokens = [r.n_predicted for _, r in results]
+            assert tokens == [len(e) for e in expected]
+            assert [tokenizer.decode(e) for e in expected] == [t for t, _ in results]
+            accepted[chain_drafts] = sched.counters_snapshot().spec_accepted
+        finally:
+            sched.shutdown()
+    assert accepted[True] > 2 * accepted[False], accepted  # (gated: drafts only once a few slots are left)

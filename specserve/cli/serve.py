@@ -81,9 +81,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: as many as slots, at least 8; 0: none)")
     g.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most tokens in one forward pass for prompt processing (default 512)")
-    g.add_argument("--draft-policy", choices=("adaptive", "always"), default="adaptive",
-                   help="adaptive: with several slots busy, draft only while drafting measurably gives more "
-                        "tokens/s (the default); always: draft whenever a request's speculator can")
+    g.add_argument("--draft-policy", choices=("adaptive", "gated", "always"), default="adaptive",
+                   help="adaptive: with a few slots busy, draft only while drafting measurably gives more "
+                        "tokens/s, with more, draft in chained steps (the default); gated: as adaptive, but with "
+                        "more slots busy nothing drafts; always: draft whenever a request's speculator can")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate per request (-1 = until end or full context)")
     g.add_argument("--host", default="127.0.0.1",
@@ -143,7 +144,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         cache_prefixes=args.cache_prefixes,
-        n_batch=args.batch_size, adaptive_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
+        n_batch=args.batch_size, adaptive_drafts=args.draft_policy != "always",
+        chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),

@@ -11,9 +11,13 @@ A lone slot always drafts (on the code edits it gains x2 through the server). Ev
 prompt chunks too: drafting spreads the ends of requests, so later prompts arrive one by one into
 unchained turns, and that cost belongs to the choice.
 
-Above MAX_DRAFTING_SLOTS busy slots nothing drafts. There the windows misjudge: a window's rate
+Above MAX_DRAFTING_SLOTS busy slots the gate does not decide. There the windows misjudge: a window's rate
 cannot see what drafting does to later turns, and on the H200 the gate let 64 slots draft in 68-81% of
 turns while the wall clock lost 20-35% (docs/perf.md). `--draft-policy always` drafts regardless.
+
+Past MAX_DRAFTING_SLOTS busy slots, drafts ride chained steps instead: the step queued after a drafted one
+assumes the draft accepted whole, and a slot whose drafts give less than plain steps would (`chained_surplus`)
+stops drafting for a while (the scheduler's `chain_drafts`; `--draft-policy gated` turns it off).
 
 With many slots the drafts of one step are also capped (`draft_cap`): a verify step's rows grow with the
 sum of all drafts, and a few drafted tokens per slot keep most of the gain at a fraction of the rows.
@@ -29,7 +33,8 @@ EXPLORE_EVERY = 16  # windows of the better choice between two windows of the ot
 SMOOTHING = 0.5  # weight of the newest window in a rate
 DRAFT_ROWS = 128  # draft rows of one step, shared by the generating slots
 MIN_DRAFT = 2  # drafts a slot may make however many slots there are
-MAX_DRAFTING_SLOTS = 8  # with more busy slots, no slot drafts
+MAX_DRAFTING_SLOTS = 8  # with more busy slots, drafts ride chained steps
+SURPLUS_RECOVERY = 0.25  # a slot that stopped drafting (negative surplus) tries again after a few steps
 
 
 def next_room(room: int, drafted: int, accepted: int, n_max: int, halve: bool = False) -> int:
@@ -42,6 +47,14 @@ def next_room(room: int, drafted: int, accepted: int, n_max: int, halve: bool = 
     if accepted >= drafted:
         return min(n_max, max(room, drafted) * 2)
     return max(MIN_DRAFT, accepted + 1, min(room, n_max) // 2 if halve else 0)
+
+
+def chained_surplus(surplus: float, gained: int, whole: bool) -> float:
+    """A slot's running surplus after one of its chained drafted steps settles. Past MAX_DRAFTING_SLOTS the
+    step after a drafted one is queued assuming the draft accepted whole; where it was not, that step's rows
+    for the slot are wasted, so a drafted step must give more than the two tokens two plain steps would:
+    `gained` tokens, one more from the next step when `whole`."""
+    return (1 - SMOOTHING) * surplus + SMOOTHING * (gained + int(whole) - 2)
 
 
 def draft_cap(n_slots: int) -> int:

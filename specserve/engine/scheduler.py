@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from specserve.engine.draft_gate import DraftGate, draft_cap
+from specserve.engine.draft_gate import MAX_DRAFTING_SLOTS, DraftGate, draft_cap
 from specserve.engine.kv_room import KVRoom, SlotMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
@@ -51,12 +51,14 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
     """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
-                 n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True, n_slots: int | None = None):
+                 n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True, n_slots: int | None = None,
+                 chain_drafts: bool = True):
         """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles
         every step before the next is planned (the reference the tests compare with). adaptive_drafts: slots
         draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft.
         n_slots: the runner's first sequences are slots (default all); the rest hold prompt prefixes
-        (kv_room.py)."""
+        (kv_room.py). chain_drafts: with more busy slots than the gate weighs (draft_gate.MAX_DRAFTING_SLOTS),
+        slots draft in chained steps (the next step assumes the draft accepted); False: they do not draft."""
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         self.runner = runner
@@ -80,6 +82,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self._gate = DraftGate() if overlap and adaptive_drafts else None
         self._halve_room = runner.device.type == "cuda"
         self._drafts_allowed = True
+        self._chain_drafts_under_load = chain_drafts and self._gate is not None
+        self._chain_drafts = False  # this turn: drafted steps are chained (busy slots past MAX_DRAFTING_SLOTS)
         self._draft_cap = draft_cap(1)
         self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
@@ -176,7 +180,10 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self._draft_cap = draft_cap(generating)
         if self._gate is not None:
             # Every busy slot counts (requests_processing), prompt readers too: a drafting turn unchains their chunks.
-            self._drafts_allowed = self._gate.allow(self.counters.requests_processing)
+            busy = self.counters.requests_processing
+            self._drafts_allowed = self._gate.allow(busy)
+            self._chain_drafts = self._chain_drafts_under_load and busy > MAX_DRAFTING_SLOTS
+            self._drafts_allowed |= self._chain_drafts
         if generating > 1:
             with self._cond:
                 if self._drafts_allowed:
@@ -265,6 +272,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot.n_past = slot.n_planned = slot.n_cached = keep
             slot.n_decoded = slot.n_steps = slot.draft_n = slot.draft_accepted = 0
             slot.draft_room = task.spec.n_max
+            slot.draft_surplus = 0.0
             slot.last = -1
             slot.t_start = time.perf_counter()
             slot.sampler = Sampler(task.sampling)
@@ -313,11 +321,10 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot, task = e.slot, e.slot.task
             if e.prompt and not e.final:
                 continue
-            if not slot.greedy_only or e.n_rows != 1 and not e.prompt:
+            if not slot.greedy_only or e.n_rows != 1 and not e.prompt and not self._chain_drafts:
                 return False
-            decoded = slot.n_decoded + 1  # after this step
-            position = (len(task.prompt) if e.prompt else len(slot.cache) + 1)  # where its token goes
-            if 0 <= task.n_predict <= decoded or position >= self.n_ctx:
+            decoded = slot.n_decoded + 1  # after this step, at least
+            if 0 <= task.n_predict <= decoded or self._fed_position(e) >= self.n_ctx:
                 return False
         return True
 
@@ -346,7 +353,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             starved = self._reserve(room, [(s, len(s.cache)) for s in decoding])
         plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
-        drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed if not e.prompt]
+        # A slot whose step in flight carries a draft drafts again only once that draft is verified.
+        drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed if not e.prompt and e.n_rows == 1]
                               + [(s, s.n_decoded, 0) for s in decoding])
         for e in fed:
             self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)
@@ -360,8 +368,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
 
     @staticmethod
     def _fed_position(e: Entry) -> int:
-        """Where the row fed from in-flight entry e goes."""
-        return len(e.slot.task.prompt) if e.prompt else len(e.slot.cache) + 1
+        """Where the row fed from in-flight entry e goes (after a draft: where it goes if all of it is accepted)."""
+        return len(e.slot.task.prompt) if e.prompt else e.position + e.n_rows
 
     def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
         """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
@@ -376,7 +384,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         continues slot.last; None: drafting failed the slot's task)."""
         slot = e.slot
         position = self._fed_position(e)
-        if e.prompt:  # the first generated token comes from the prompt's last logit row
+        if e.prompt or e.n_rows > 1:  # the first generated token comes from the prompt's last logit row
             plan.add_decode(slot, position, 0, [], fed_row=e.last_logit_row)
         elif draft is not None:
             guess, rest = (draft[0], draft[1:]) if draft else (None, [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from specserve.engine.draft_gate import SURPLUS_RECOVERY
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.speculative.base import draft_chains
@@ -18,6 +19,7 @@ class SlotDrafts:
     runner: Runner
     n_ctx: int
     _drafts_allowed: bool
+    _chain_drafts: bool
     _draft_cap: int
 
     def _fail(self, slot: Slot, message: str) -> None: ...
@@ -52,6 +54,9 @@ class SlotDrafts:
         spec = task.spec
         if (not self._drafts_allowed or not slot.use_chain or slot.chain is None or slot.handle is None
                 or slot.handle.cancelled):
+            return None
+        if self._chain_drafts and slot.draft_surplus < 0:  # its chained drafts have not paid lately
+            slot.draft_surplus += SURPLUS_RECOVERY
             return None
         room = self.n_ctx - len(history) - 1  # positions left after `last`
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room

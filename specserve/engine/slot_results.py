@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from specserve.engine.draft_gate import DraftGate, next_room
+from specserve.engine.draft_gate import DraftGate, chained_surplus, next_room
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
@@ -34,6 +34,7 @@ class SlotResults:
     _cond: threading.Condition
     _gate: DraftGate | None
     _outbox: list[tuple[TaskHandle, Event]] | None
+    _chain_drafts: bool  # this turn's drafted steps are chained (Scheduler)
     _halve_room: bool  # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
 
     def _post(self, handle: TaskHandle, event: Event) -> None:
@@ -55,7 +56,7 @@ class SlotResults:
             TRACE.mark(flight.trace, "ready")
         logits = flight.step.logits() if not all(greedy) else None
         for e, argmax_only in zip(live, greedy, strict=True):
-            if not e.slot.runs(e.task_id):
+            if not e.current():
                 continue
             span = slice(e.logit_row, e.logit_row + e.n_logits)
             picked = tokens[span] if argmax_only and tokens is not None else None
@@ -136,6 +137,8 @@ class SlotResults:
             drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
             slot.draft_n += drafted
             slot.draft_accepted += accepted
+            if self._chain_drafts:
+                slot.draft_surplus = chained_surplus(slot.draft_surplus, len(out), len(out) == e.n_rows)
             if e.draft:
                 slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max,
                                              self._halve_room)
@@ -143,8 +146,8 @@ class SlotResults:
         slot.n_steps += 1
         slot.cache.append(first)
         slot.cache.extend(out[:-1])
-        if e.n_rows > 1:
-            self.runner.kv_truncate(slot.id, len(slot.cache))  # drop the rejected draft positions
+        if len(slot.cache) < e.position + e.n_rows:  # drop the rejected draft positions (and what a step queued
+            self.runner.kv_truncate(slot.id, len(slot.cache))  # after this one wrote past them)
         slot.last = out[-1]
         self._emit_tokens(slot, out, rows)
 

@@ -36,6 +36,7 @@ class Slot:
     draft_n: int = 0
     draft_accepted: int = 0
     draft_room: int = 1 << 30  # most tokens its next draft may have (draft_gate.next_room)
+    draft_surplus: float = 0.0  # chained drafts: tokens a drafted step gives over two plain ones (draft_gate)
     # timings (perf_counter): the task's start, its prompt's end
     t_start: float = 0.0
     t_prompt_done: float = 0.0

@@ -23,6 +23,13 @@ class Entry:
     replay: bool = False  # prompt: tokens a preempted slot held, read again (no logits)
     draft: list[int] = field(default_factory=list)  # decode: the tokens of rows 1.., checked by rows 0..
     guess: int | None = None  # decode, fed with a draft: what the speculator took row 0's token to be
+    position: int = 0  # decode: the position of row 0, where the slot's cache ends when the entry is right
+
+    def current(self) -> bool:
+        """Whether its slot still runs the same task from where the entry was planned: a decode entry fed from a
+        drafted step assumed every draft token accepted, and is stale once that step kept fewer."""
+        slot = self.slot
+        return slot.runs(self.task_id) and (self.prompt or len(slot.cache) == self.position)
 
     @property
     def n_logits(self) -> int:
@@ -50,7 +57,7 @@ class Plan:
                    guess: int | None = None) -> None:
         """Rows [first, *draft] at position..; fed_row >= 0: first is the previous step's argmax at that row."""
         entry = Entry(slot, slot.task.id, len(self.batch), 1 + len(draft), self.n_logits, prompt=False,
-                      draft=draft, guess=guess)
+                      draft=draft, guess=guess, position=position)
         self.batch.add_sequence([first, *draft], position, slot.id, "all")
         self._add(entry, fed_row)
 
@@ -73,5 +80,5 @@ class InFlight:
     trace: int = -1  # its index in the step trace (step_trace.py), if one is kept
 
     def live(self) -> list[Entry]:
-        """Entries whose slot still runs the same task."""
-        return [e for e in self.entries if e.slot.runs(e.task_id)]
+        """Entries whose slot still runs the same task from where they were planned (Entry.current)."""
+        return [e for e in self.entries if e.current()]

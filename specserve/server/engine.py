@@ -54,6 +54,7 @@ class ServerSettings:
     cache_prefixes: int | None = None
     n_batch: int = 512
     adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
+    chain_drafts: bool = True  # past the gate's slot count, drafts ride chained steps; False: none drafts there
     n_predict: int = -1
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
@@ -160,7 +161,7 @@ class Engine:
         if draft_runner is not None and draft_runner.n_seqs < settings.n_parallel:
             raise SpecserveError("the draft runner needs one sequence per slot")
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
-                                   adaptive_drafts=settings.adaptive_drafts,
+                                   adaptive_drafts=settings.adaptive_drafts, chain_drafts=settings.chain_drafts,
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
         self.n_ctx = runner.n_ctx
         self.pooling = settings.pooling or _gguf_pooling(runner)
