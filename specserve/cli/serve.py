@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from specserve.cli.serve_flags import add_llama_server_flags, llama_server_settings, parse_env_bool
 from specserve.errors import SpecserveError
+from specserve.speculative.shared_suffix import DEFAULT_TOKENS
 
 if TYPE_CHECKING:
     from specserve.server.engine import ServerSettings
@@ -85,13 +86,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="adaptive: with a few slots busy, draft only while drafting measurably gives more "
                         "tokens/s, with more, draft in chained steps (the default); gated: as adaptive, but with "
                         "more slots busy nothing drafts; always: draft whenever a request's speculator can")
+    g.add_argument("--spec-shared-tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
+                   help="ngram-suffix also drafts from earlier requests (prompts and outputs) of the same API key "
+                        "and speculative.scope: tokens kept for that in all, least recently used out first "
+                        f"(default {DEFAULT_TOKENS}; 0: off)")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="default tokens to generate per request (-1 = until end or full context)")
     g.add_argument("--host", default="127.0.0.1",
                    help="addresses to listen on, comma-separated, or a UNIX socket path ending in .sock "
                         "(default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or X-Api-Key)")
+    g.add_argument("--api-key", default=None,
+                   help="require this key, or one of several separated by commas (Authorization: Bearer KEY or "
+                        "X-Api-Key); each key's requests draft only from their own earlier requests")
     g.add_argument("-a", "--alias", default=None,
                    help="model names the API accepts, comma-separated; the first is shown (default: the model's)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
@@ -146,6 +153,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         cache_prefixes=args.cache_prefixes,
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy != "always",
         chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
+        spec_shared_tokens=args.spec_shared_tokens,
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),

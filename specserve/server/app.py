@@ -75,7 +75,7 @@ PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models", "/openapi.json
 class ServerState:
     settings: ServerSettings
     admission: Admission
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # any of them opens the API; none: no key needed
     engine: Engine | None = None
     load_error: str | None = None
     responses: ResponseStore = field(default_factory=ResponseStore)  # for /v1/responses' previous_response_id
@@ -97,22 +97,26 @@ class GateMiddleware(HttpMiddleware):
             return
         # the chat page and its files: no key, and served while loading
         page = self.state.settings.webui and webui.is_page_path(path)
-        if self.state.api_key and path not in PUBLIC_PATHS and not page and not self._key_ok(scope):
+        tenant = self._tenant(scope) if self.state.api_keys else ""
+        if tenant is None and path not in PUBLIC_PATHS and not page:
             status, message = 401, "Invalid API Key"
         elif self.state.engine is None and path not in ("/health", "/v1/health", "/openapi.json") and not page:
             status, message = 503, "Loading model"
         if status:
             await error_response(status, message, path=path)(scope, receive, send)
             return
+        scope.setdefault("state", {})["tenant"] = tenant or ""
         await self.app(scope, receive, send)
 
-    def _key_ok(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
+        """Which of the API keys the request gives ("key<i>"); None: none of them."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-api-key") or ""
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
-        return bool(given) and hmac.compare_digest(given.encode(), (self.state.api_key or "").encode())
+        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.state.api_keys]  # (each compared)
+        return f"key{matches.index(True)}" if given and any(matches) else None
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:
@@ -139,8 +143,10 @@ def _detokenize(engine: Engine, body: bytes) -> bytes:
 
 def create_app(settings: ServerSettings, api_key: str | None = None, *, engine: Engine | None = None,
                on_load_error: Callable[[str], None] | None = None, progress: bool = True) -> FastAPI:
-    """The app; without `engine` the model loads in a background thread at startup."""
-    state = ServerState(settings, Admission(settings.n_parallel, settings.max_queue), api_key or None, engine,
+    """The app; without `engine` the model loads in a background thread at startup. `api_key`: one key or
+    several separated by commas, as llama-server's --api-key."""
+    keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
+    state = ServerState(settings, Admission(settings.n_parallel, settings.max_queue), keys, engine,
                         responses=ResponseStore(settings.responses_store))
 
     def load() -> None:
@@ -230,6 +236,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             body = await request.body()
             engine = eng()
             job = await run_in_threadpool(build, engine, body)
+            engine.scope_tasks(job.tasks, getattr(request.state, "tenant", ""))
             state.admission.widen(ticket, len(job.tasks))  # a batch or n choices: every task counts
             return await respond(request, engine, job, ticket)
         except BaseException:

@@ -35,6 +35,7 @@ from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.tokenizing import TextEncoder
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
+from specserve.speculative.shared_suffix import DEFAULT_TOKENS, SuffixStore
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class ServerSettings:
     n_batch: int = 512
     adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
     chain_drafts: bool = True  # past the gate's slot count, drafts ride chained steps; False: none drafts there
+    # ngram-suffix also drafts from earlier requests of the same scope: tokens they keep in all (0: off)
+    spec_shared_tokens: int = DEFAULT_TOKENS
     n_predict: int = -1
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
@@ -115,6 +118,8 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
     if s.max_queue < 0:
         raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
+    if s.spec_shared_tokens < 0:
+        raise SpecserveError(f"--spec-shared-tokens must not be negative, got {s.spec_shared_tokens}")
     if s.responses_store < 0:
         raise SpecserveError(f"--responses-store must not be negative, got {s.responses_store}")
     if s.pooling is not None and s.pooling not in POOLINGS:
@@ -160,9 +165,11 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer)  # grammar / json_schema / response_format requests
         if draft_runner is not None and draft_runner.n_seqs < settings.n_parallel:
             raise SpecserveError("the draft runner needs one sequence per slot")
+        self.suffix_store = SuffixStore(settings.spec_shared_tokens) if settings.spec_shared_tokens > 0 else None
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
                                    adaptive_drafts=settings.adaptive_drafts, chain_drafts=settings.chain_drafts,
-                                   chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot))
+                                   chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot,
+                                                                                shared=self.suffix_store))
         self.n_ctx = runner.n_ctx
         self.pooling = settings.pooling or _gguf_pooling(runner)
         self.created = int(time.time())
@@ -292,6 +299,13 @@ class Engine:
                                   constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
                                   prediction=prediction or None))
         return tasks
+
+    @staticmethod
+    def scope_tasks(tasks: list[Task], tenant: str) -> None:
+        """Tasks draft from earlier requests (shared_suffix.py) of their tenant (which API key authorised them)
+        and, within it, of the scope their client named."""
+        for task in tasks:
+            task.spec = replace(task.spec, scope=f"{tenant}/{task.spec.scope}")
 
     def default_params(self) -> dict[str, object]:
         s = self.settings

@@ -26,6 +26,7 @@ SPEC_FIELDS = {  # request key -> SpecParams field
     "speculative.ngram_size_m": "ngram_size_m",
     "speculative.ngram_c_rate": "ngram_check_rate",
     "speculative.ngram_m_hits": "ngram_min_hits",
+    "speculative.scope": "scope",
 }
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
                    "presence_penalty", "frequency_penalty", "seed")
@@ -107,6 +108,8 @@ class GenerationFields(_Strict):
     spec_ngram_size_m: int | None = Field(None, alias="speculative.ngram_size_m")
     spec_ngram_c_rate: int | None = Field(None, alias="speculative.ngram_c_rate")
     spec_ngram_m_hits: int | None = Field(None, alias="speculative.ngram_m_hits")
+    # whose earlier requests ngram-suffix may draft from, within the API key's (shared_suffix.py)
+    spec_scope: str | None = Field(None, alias="speculative.scope", max_length=256)
     # Constrained output (engine/constraints.py): at most one of these; "" grammar = none, as llama-server.
     grammar: str | None = None  # llama.cpp GBNF
     json_schema: dict[str, Any] | None = None

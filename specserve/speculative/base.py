@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from specserve.errors import SpecserveError
 from specserve.speculative.ngram_index import HistoryIndex
@@ -29,6 +29,9 @@ class SpecParams:
     ngram_min_hits: int = 1
     lookup_cache_static: str | None = None
     lookup_cache_dynamic: str | None = None
+    # Whose earlier requests shared-suffix drafts from (shared_suffix.py): the server's name for the request's
+    # API key and the client's `speculative.scope`; "" with the shared store off.
+    scope: str = ""
 
     def validate(self) -> SpecParams:
         """Raise SpecserveError naming the first out-of-range option; return self."""
@@ -56,7 +59,7 @@ class SpecParams:
             raise SpecserveError(f"speculative p_min = {self.p_min!r} is out of range [0, 1]")
         return self
 
-    def with_overrides(self, **overrides: object) -> SpecParams:
+    def with_overrides(self, **overrides: Any) -> SpecParams:
         """A validated copy with some fields replaced (per-request `speculative.*`)."""
         known = {f.name for f in fields(self)}
         unknown = set(overrides) - known
@@ -101,7 +104,7 @@ class Speculator(ABC):
     _index: HistoryIndex | None = None  # an index over the history, kept up to date by prepare()
     # A type that proposes for several sequences at once (the draft model: shared forwards) sets this to a
     # function from [(speculator, history, last_sampled, n_max)] to their proposals; `draft_chains` uses it.
-    propose_together: ClassVar[Callable[[list[ProposeAsk]], list[list[int]]] | None] = None
+    propose_together: ClassVar[ProposeTogether | None] = None
 
     def __init__(self) -> None:
         self.stats = SpecStats()
@@ -200,6 +203,7 @@ class Chain:
 
 
 ProposeAsk = tuple[Speculator, list[int], int, int]  # (speculator, history, last sampled, n_max)
+ProposeTogether = Callable[[list[ProposeAsk]], list[list[int]]]  # see Speculator.propose_together
 DraftAsk = tuple[Chain, list[int], int, int, int]  # (chain, history, last sampled, n_max, n_min)
 
 
@@ -211,15 +215,16 @@ def draft_chains(asks: list[DraftAsk]) -> list[list[int]]:
     position = [0] * len(asks)  # the member each ask tries next
     pending = list(range(len(asks)))
     while pending:
-        together: dict[Callable, list[int]] = {}
+        together: dict[ProposeTogether, list[int]] = {}
         for i in pending:
             chain, history, last, n_max, n_min = asks[i]
             if position[i] == 0:
                 chain._last = None
             while position[i] < len(chain.members):
                 m = chain.members[position[i]]
-                if type(m).propose_together is not None:
-                    together.setdefault(type(m).propose_together, []).append(i)
+                propose_together = type(m).propose_together
+                if propose_together is not None:
+                    together.setdefault(propose_together, []).append(i)
                     break
                 position[i] += 1
                 tokens = m.draft(history, last, n_max, n_min)

@@ -8,10 +8,13 @@ from specserve.speculative.ngram_cache import NgramCacheSpeculator
 from specserve.speculative.ngram_map import NgramMap
 from specserve.speculative.ngram_simple import NgramSimple
 from specserve.speculative.ngram_suffix import NgramSuffix
+from specserve.speculative.shared_suffix import SharedSuffix, SuffixStore
 
 
-def build_chain(params: SpecParams, draft_runner: DraftRunner | None = None, seq: int = 0) -> Chain | None:
-    """Draft-free type first, then the draft model; None when neither is configured."""
+def build_chain(params: SpecParams, draft_runner: DraftRunner | None = None, seq: int = 0,
+                shared: SuffixStore | None = None) -> Chain | None:
+    """Draft-free type first (ngram-suffix: long matches in the earlier requests of its scope in `shared`, then
+    the sequence's own history), then the draft model; None when neither is configured."""
     members: list[Speculator] = []
     if params.type == "ngram-simple":
         members.append(NgramSimple(params))
@@ -20,6 +23,8 @@ def build_chain(params: SpecParams, draft_runner: DraftRunner | None = None, seq
     elif params.type == "ngram-cache":
         members.append(NgramCacheSpeculator(params))
     elif params.type == "ngram-suffix":
+        if shared is not None:
+            members.append(SharedSuffix(params, shared))
         members.append(NgramSuffix(params))
     if draft_runner is not None:
         members.append(DraftModelSpeculator(draft_runner, params.p_min, seq))
