@@ -37,7 +37,7 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     _pair(g, ["-dio", "--direct-io"], ["-ndio", "--no-direct-io"], "direct_io", False,
           "accepted: reads the GGUF into memory as --no-mmap (no O_DIRECT here)")
     _pair(g, ["-kvu", "--kv-unified"], ["-no-kvu", "--no-kv-unified"], "kv_unified", False,
-          "accepted: the KV cache is always one tensor, each slot with its own -c/-np positions")
+          "accepted: the KV cache is always one pool of -c positions that every slot draws from")
     _pair(g, ["--context-shift"], ["--no-context-shift"], "context_shift", False,
           "not supported: a generation that fills its slot ends (stop_type limit); --no-context-shift is "
           "the default")
