@@ -186,7 +186,7 @@ def start_server(args: argparse.Namespace, n_slots: int) -> tuple[subprocess.Pop
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "-m", args.model, "-np", str(n_slots),
-           "-c", str(args.slot_ctx * n_slots), "--port", str(port), *args.server_args]
+           "-c", str(args.slot_ctx * n_slots), "--port", str(port), "--metrics", *args.server_args]
     if args.device:
         cmd += ["--device", args.device]
     if args.model_draft:

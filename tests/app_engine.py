@@ -19,7 +19,7 @@ from specserve.server.engine import Engine, ServerSettings
 
 CTX = 512  # the KV pool, and the most one slot may hold
 SETTINGS = ServerSettings(model="smollm2-135m", device="cpu", n_parallel=2, ctx_size=CTX, n_predict=4,
-                          alias="smollm2-135m,tiny", tags=["small", "test"],
+                          alias="smollm2-135m,tiny", tags=["small", "test"], endpoint_metrics=True,
                           slot_save_path=tempfile.mkdtemp(prefix="specserve-slots-"))  # slot actions served
 
 

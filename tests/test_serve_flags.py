@@ -29,10 +29,13 @@ def test_accepted_flags_and_what_they_set(caplog: pytest.LogCaptureFixture) -> N
     assert settings("-dio").mmap is False and settings("--direct-io", "--no-direct-io").mmap is True
     assert settings("--no-slots").endpoint_slots is False and settings("--no-slots", "--slots").endpoint_slots
     assert settings().webui and settings("--no-webui").webui is False and settings("--no-ui").webui is False
+    assert settings().endpoint_metrics is False and settings("--metrics").endpoint_metrics
+    assert settings("--draft-policy", "gated").chain_drafts is False and settings().chain_drafts
+    assert settings("--spec-shared-tokens", "0").spec_shared_tokens == 0
     assert settings("--tags", "a, b,,c").tags == ["a", "b", "c"]
     assert settings("-a", "x,y").alias == "x,y"
     assert settings("--chat-template", "chatml").chat_template == BUILTIN_TEMPLATES["chatml"]
-    for accepted in (["-kvu"], ["--no-kv-unified"], ["--jinja"], ["--no-jinja"], ["--metrics"],
+    for accepted in (["-kvu"], ["--no-kv-unified"], ["--jinja"], ["--no-jinja"],
                      ["--no-context-shift"]):
         settings(*accepted)
     with caplog.at_level("WARNING"):
@@ -44,6 +47,7 @@ def test_boolean_flags_read_llama_servers_env_vars(monkeypatch: pytest.MonkeyPat
     for name, value, field, expected in [("LLAMA_ARG_MMAP", "off", "mmap", False),
                                          ("LLAMA_ARG_DIO", "1", "mmap", False),
                                          ("LLAMA_ARG_ENDPOINT_SLOTS", "disabled", "endpoint_slots", False),
+                                         ("LLAMA_ARG_ENDPOINT_METRICS", "1", "endpoint_metrics", True),
                                          ("LLAMA_ARG_ENDPOINT_SLOTS", "true", "endpoint_slots", True)]:
         monkeypatch.setenv(name, value)
         assert getattr(settings(), field) is expected, name

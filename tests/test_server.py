@@ -30,7 +30,7 @@ def server() -> Iterator[ServerProcess]:
     # Some settings come from llama-server's environment variables, the rest from flags.
     env = {"LLAMA_ARG_N_PARALLEL": str(N_SLOTS), "LLAMA_ARG_CTX_SIZE": str(CTX),
            "LLAMA_API_KEY": API_KEY, "LLAMA_ARG_DRAFT_P_MIN": "0.5"}
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", env=env, api_key=API_KEY)
+    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--metrics", env=env, api_key=API_KEY)
     try:
         yield srv.wait_ready()
     finally:
@@ -243,7 +243,7 @@ def test_concurrent_greedy_equals_alone(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def always_drafting() -> Iterator[ServerProcess]:
     """A server whose slots draft whenever a speculator has a draft (no draft gate): drafts are certain."""
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", str(N_SLOTS), "-c", str(CTX),
+    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--metrics", "-np", str(N_SLOTS), "-c", str(CTX),
                         "--draft-policy", "always")
     try:
         yield srv.wait_ready()

@@ -152,11 +152,12 @@ def test_slots_shape(client: TestClient) -> None:
     assert all("params" not in s for s in idle)
 
 
-def test_no_slots_names_and_tags() -> None:
-    off = app_engine.client(endpoint_slots=False)
-    r = off.get("/slots")
-    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
-    assert "--slots" in r.json()["error"]["message"]
+def test_no_slots_no_metrics_names_and_tags() -> None:
+    off = app_engine.client(endpoint_slots=False, endpoint_metrics=False)
+    for path, flag in (("/slots", "--slots"), ("/metrics", "--metrics")):  # llama-server's answers
+        r = off.get(path)
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+        assert flag in r.json()["error"]["message"]
     models = off.get("/v1/models").json()["data"][0]
     assert models["id"] == "smollm2-135m" and models["aliases"] == ["smollm2-135m", "tiny"]
     assert models["tags"] == ["small", "test"]

@@ -23,7 +23,7 @@ REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h,
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     # One slot and a queue of one: the third generation request at once is refused.
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "1", "-c", str(SLOT_CTX),
+    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--metrics", "-np", "1", "-c", str(SLOT_CTX),
                         "--max-queue", "1", "--max-body-bytes", str(MAX_BODY), "--alias", "tiny",
                         "--cors-origins", "http://a.example, http://b.example")
     try:

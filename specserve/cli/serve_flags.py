@@ -44,8 +44,8 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     _pair(g, ["--slots"], ["--no-slots"], "endpoint_slots", True, "GET /slots (default on; --no-slots: 501)")
     _pair(g, ["--webui"], ["--no-webui", "--no-ui"], "webui", True,
           "serve the chat page at / (default on; --no-webui: the API alone)")
-    g.add_argument("--metrics", dest="endpoint_metrics", action="store_true",
-                   help="accepted: /metrics is always on here")
+    _pair(g, ["--metrics"], ["--no-metrics"], "endpoint_metrics", False,
+          "GET /metrics, Prometheus-style (default off, as llama-server: 501)")
     _pair(g, ["--jinja"], ["--no-jinja"], "jinja", True, "accepted: chat templates are always Jinja here")
     g.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help=f"chat template instead of the GGUF's: a name ({', '.join(BUILTIN_TEMPLATES)}) or Jinja text")
@@ -70,7 +70,8 @@ def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
         log.warning("--spec-replace has no effect: the draft model must share the target's vocabulary, so no "
                     "text is translated between them")
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
-    return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots, "webui": args.webui,
+    return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots,
+            "endpoint_metrics": args.endpoint_metrics, "webui": args.webui,
             "tags": tags,
             "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file),
             "reasoning_format": args.reasoning_format, "reasoning_budget": args.reasoning_budget}

@@ -355,5 +355,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", openapi_extra=operation(text=True))
     async def get_metrics() -> Response:
+        if not state.settings.endpoint_metrics:  # llama-server's answer without --metrics
+            return error_response(501, "This server does not support metrics endpoint. Start it with `--metrics`")
         return Response(metrics.render(registry), media_type="text/plain; version=0.0.4; charset=utf-8",
                         headers={"Process-Start-Time-Unix": str(metrics.PROCESS_START)})
