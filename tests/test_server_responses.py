@@ -327,3 +327,15 @@ def test_with_an_api_key() -> None:
     wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         create(wrong, input="Hi", max_output_tokens=1)
+
+
+def test_input_tokens_count_the_prompt(client: openai.OpenAI, http: TestClient) -> None:
+    """OpenAI's /v1/responses/input_tokens and the same for chat: the prompt tokens the request would have."""
+    counted = client.responses.input_tokens.count(model="smollm2-135m", input=ASK)
+    answer = create(client, input=ASK, max_output_tokens=1)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == answer.usage.input_tokens
+    chat = {"model": "any", "messages": [{"role": "user", "content": "Say hello."}]}
+    count = http.post("/v1/chat/completions/input_tokens", json=chat).json()
+    done = http.post("/v1/chat/completions", json={**chat, "max_tokens": 1}).json()
+    assert count == {"object": "chat.completion.input_tokens", "input_tokens": done["usage"]["prompt_tokens"]}
+    assert http.post("/chat/completions/input_tokens", json={"messages": []}).status_code == 400

@@ -36,7 +36,9 @@ from specserve.server.builders import (
     build_messages,
     build_responses,
     build_v1_completion,
+    count_chat_tokens,
     count_message_tokens,
+    count_response_tokens,
 )
 from specserve.server.embeddings import embeddings
 from specserve.server.engine import Engine, ServerSettings
@@ -273,6 +275,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def count_tokens(request: Request) -> Response:
         def count(engine: Engine, body: bytes) -> bytes:
             return json.dumps({"input_tokens": count_message_tokens(engine, body)}).encode()
+
+        return await off_loop(request, count)
+
+    @app.post("/v1/chat/completions/input_tokens", openapi_extra=operation(ChatRequest))
+    @app.post("/chat/completions/input_tokens", openapi_extra=operation(ChatRequest))
+    async def chat_input_tokens(request: Request) -> Response:
+        def count(engine: Engine, body: bytes) -> bytes:
+            return json.dumps({"object": "chat.completion.input_tokens",
+                               "input_tokens": count_chat_tokens(engine, body)}).encode()
+
+        return await off_loop(request, count)
+
+    @app.post("/v1/responses/input_tokens", openapi_extra=operation(ResponsesRequest))
+    async def responses_input_tokens(request: Request) -> Response:
+        def count(engine: Engine, body: bytes) -> bytes:
+            tokens = count_response_tokens(state.responses, engine, body)
+            return json.dumps({"object": "response.input_tokens", "input_tokens": tokens}).encode()
 
         return await off_loop(request, count)
 

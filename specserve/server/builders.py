@@ -124,6 +124,22 @@ def build_messages(engine: Engine, body: bytes) -> Job:
 
 def count_message_tokens(engine: Engine, body: bytes) -> int:
     """POST /v1/messages/count_tokens: the tokens of the prompt /v1/messages renders for the same request."""
-    chat = parse_body(CountTokensRequest, body).chat()
+    return _prompt_tokens(engine, parse_body(CountTokensRequest, body).chat())
+
+
+def count_chat_tokens(engine: Engine, body: bytes) -> int:
+    """POST /v1/chat/completions/input_tokens: the tokens of the prompt the same chat request would have."""
+    return _prompt_tokens(engine, parse_body(ChatRequest, body))
+
+
+def count_response_tokens(store: ResponseStore, engine: Engine, body: bytes) -> int:
+    """POST /v1/responses/input_tokens (OpenAI's): the tokens of the prompt the same /v1/responses request would
+    have, the stored conversation it goes on from included."""
+    req = parse_body(ResponsesRequest, body)
+    history = store.conversation(req.previous_response_id) if req.previous_response_id else []
+    return _prompt_tokens(engine, req.chat(req.messages(history)))
+
+
+def _prompt_tokens(engine: Engine, chat: ChatRequest) -> int:
     prompt, _ = engine.chat_prompt(chat, engine.tool_plan(chat), chat.parse_special)
     return len(prompt)
