@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -165,3 +166,11 @@ def test_no_slots_no_metrics_names_and_tags() -> None:
     assert ok.status_code == 200 and ok.json()["model"] == "smollm2-135m"
     any_name = off.post("/v1/completions", json={"model": "gpt-4", "prompt": "Hi", "max_tokens": 1})
     assert any_name.status_code == 200 and any_name.json()["model"] == "smollm2-135m"
+
+
+def test_build_info_is_shaped_as_llama_servers(client: TestClient) -> None:
+    build = client.get("/props").json()["build_info"]
+    assert re.fullmatch(r"b\d+-[0-9a-f]{7,}|b[\w.]+-release", build), build
+    answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_tokens": 1}).json()
+    assert answer["system_fingerprint"] == build

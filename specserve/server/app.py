@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
+from specserve.build_info import build_info
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
@@ -344,7 +345,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
             "modalities": {"vision": False, "audio": False},
-            "build_info": f"specserve {__version__}",
+            "build_info": build_info(),
         })
 
     @app.get("/slots", openapi_extra=operation(array=True, not_supported=True))

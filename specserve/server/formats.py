@@ -15,6 +15,7 @@ import secrets
 import time
 from typing import Any
 
+from specserve.build_info import build_info
 from specserve.engine.tasks import Chunk, Result, Task, TokenProb
 from specserve.server.chat_output import ChatOutput, OutputSpec, delta_json, finish_reason, message_json, read_message
 from specserve.server.engine import Engine
@@ -188,7 +189,7 @@ class OpenAIFormat(Format):
 
     def _envelope(self, choice: dict[str, Any] | None, obj: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": obj or self.object, "created": self.created, "model": self.engine.model_name,
-                "system_fingerprint": "specserve", "choices": [choice] if choice is not None else []}
+                "system_fingerprint": build_info(), "choices": [choice] if choice is not None else []}
 
     def place(self, index: int, lead: Format) -> None:
         super().place(index, lead)
