@@ -26,6 +26,9 @@ from specserve.cli.measure import (
 )
 from specserve.cli.session import GenerationSession
 from specserve.cli.workloads import workload_prompts
+from specserve.engine.local_runner import LocalRunner
+from specserve.engine.runner import Runner
+from specserve.engine.scheduler import ChainFactory
 from specserve.errors import SpecserveError
 from specserve.speculative.base import SPEC_TYPES, SpecParams
 from specserve.speculative.factory import build_chain
@@ -58,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _chains(draft: Runner | None) -> ChainFactory:
+    """Each slot's speculator chain, the draft model (on `draft`) last."""
+    return lambda spec, slot: build_chain(spec, draft, seq=slot)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.n_prompt < 1 or args.n_gen < 1 or args.repeat < 1:
         raise SpecserveError("-p, -n and --repeat must be at least 1")
@@ -68,8 +76,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SpecserveError(f"--ngram-sizes takes integers, got {args.ngram_sizes!r}") from None
     if not sizes:
         raise SpecserveError("--ngram-sizes needs at least one size")
-    for n in sizes:  # before the model loads
-        SpecParams(type="ngram-simple").with_overrides(ngram_size_n=n)
+    for size in sizes:  # before the model loads
+        SpecParams(type="ngram-simple").with_overrides(ngram_size_n=size)
     unknown = set(types) - set(SPEC_TYPES)
     if unknown:
         raise SpecserveError(f"unknown speculative type(s): {', '.join(sorted(unknown))}")
@@ -105,6 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    "verify_8_rows_over_decode": round(step_ms[8] / step_ms[1], 3),
                    "step_ms_by_rows": {n: round(ms, 3) for n, ms in step_ms.items()}})
     if runner.device.type == "cuda":
+        assert isinstance(runner, LocalRunner)  # (a remote runner's device is this side's: the CPU)
         bw = copy_bandwidth(runner.device)
         roofline = bw / bytes_per_token(runner)
         result.update(copy_bandwidth_gb_s=round(bw / 1e9, 1), roofline_tokens_per_s=round(roofline, 1),
@@ -113,8 +122,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     none_rate, _, none_out = greedy_decode_rate(runner, session.tokenizer, code_edit, args.n_gen, repeat=args.repeat)
     record(f"tg{args.n_gen} code-edit none", none_rate)
     spec_rows = {}
-    runs = [(t, None, True) for t in types if t not in KEYED_TYPES] + [(t, n, True) for t in types
-                                                                       if t in KEYED_TYPES for n in sizes]
+    runs: list[tuple[str, int | None, bool]] = [(t, None, True) for t in types if t not in KEYED_TYPES]
+    runs += [(t, n, True) for t in types if t in KEYED_TYPES for n in sizes]
     if runs:  # the first again with one step at a time: what overlapping the plain steps gains
         runs.append((runs[0][0], runs[0][1], False))
     for t, n, overlap in runs:
@@ -126,7 +135,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(
             runner, session.tokenizer, code_edit, args.n_gen, spec=spec, overlap=overlap, repeat=args.repeat,
-            chain_factory=lambda spec, slot, draft=draft: build_chain(spec, draft, seq=slot))
+            chain_factory=_chains(draft))
         acc = stats.acceptance
         note = f"x{rate / none_rate:.2f}, accept {acc:.2f}, {stats.tokens_per_step:.2f} tok/step"
         if out != none_out:

@@ -11,6 +11,7 @@ import torch
 
 from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
+from specserve.engine.runner import Runner
 from specserve.engine.scheduler import ChainFactory, Scheduler
 from specserve.engine.tasks import Result
 from specserve.gguf.tokenizer import Tokenizer
@@ -48,7 +49,7 @@ def bytes_per_token(runner: LocalRunner) -> int:
     return total
 
 
-def bench_prefill(runner: LocalRunner, n: int, reps: int = 3) -> float:
+def bench_prefill(runner: Runner, n: int, reps: int = 3) -> float:
     """Tokens/s of evaluating an n-token prompt in one batch (best of reps)."""
     tokens = [(i * 7919) % runner.vocab_size for i in range(n)]
     times = []
@@ -68,7 +69,7 @@ def bench_prefill(runner: LocalRunner, n: int, reps: int = 3) -> float:
 TIMED_STEP_ROWS = (1, 2, 4, 8, 9, 16, 17)
 
 
-def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int = 64) -> float:
+def bench_step(runner: Runner, n_rows: int, steps: int = 50, context: int = 64) -> float:
     """Seconds per forward step of n_rows consecutive tokens of one sequence (a decode step
     for 1, a verify step of n_rows - 1 draft tokens otherwise), after `context` tokens: the median."""
     runner.kv_truncate(0, 0)
@@ -91,7 +92,7 @@ def bench_step(runner: LocalRunner, n_rows: int, steps: int = 50, context: int =
     return statistics.median(times)  # (a shared machine's hiccups stay out)
 
 
-def bench_decode(runner: LocalRunner, tokenizer: Tokenizer, n: int, context: int = 16) -> float:
+def bench_decode(runner: Runner, tokenizer: Tokenizer, n: int, context: int = 16) -> float:
     """Tokens/s of n greedy decode steps after a `context`-token prompt, through the scheduler (what
     generation pays per token, host work included); the first pass warms up."""
     prompt = [(i * 31) % runner.vocab_size for i in range(1, context + 1)]
@@ -124,7 +125,7 @@ class DecodeTotals:
         return self.generated / self.steps if self.steps else 0.0
 
 
-def greedy_decode_rate(runner: LocalRunner, tokenizer: Tokenizer, prompts: list[list[int]], n_predict: int,
+def greedy_decode_rate(runner: Runner, tokenizer: Tokenizer, prompts: list[list[int]], n_predict: int,
                        spec: SpecParams | None = None, chain_factory: ChainFactory | None = None,
                        overlap: bool = True, repeat: int = 1) -> tuple[float, DecodeTotals, list[list[int]]]:
     """Greedy decode tokens/s over prompts through one scheduler (prompt time excluded; the first token of
@@ -132,7 +133,8 @@ def greedy_decode_rate(runner: LocalRunner, tokenizer: Tokenizer, prompts: list[
     spec: speculation per request (None: off). repeat: passes over the prompts; the median pass's rate."""
     scheduler = Scheduler(runner, tokenizer, chain_factory=chain_factory, overlap=overlap)
     rates = []
-    totals, outputs = DecodeTotals(), []
+    totals = DecodeTotals()
+    outputs: list[list[int]] = []
     for _ in range(repeat):
         totals, outputs, seconds = DecodeTotals(), [], 0.0
         for prompt in prompts:
@@ -150,7 +152,7 @@ def hf_decode_rate(model_path: Path, device: torch.device, prompt: list[int], n:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # (transformers types `to` by functools.wraps)
     ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)

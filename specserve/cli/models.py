@@ -11,7 +11,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         for row in catalog.listing():
             mark = "installed" if row["installed"] else "-"
-            print(f"{row['name']:<22} {row['bytes'] / 1e6:9.1f} MB  {mark:<10} {row['description']}")
+            size = row["bytes"]
+            assert isinstance(size, int)
+            print(f"{row['name']:<22} {size / 1e6:9.1f} MB  {mark:<10} {row['description']}")
     elif args.action == "pull":
         print(catalog.pull(args.name, force=args.force))
     elif args.action == "path":

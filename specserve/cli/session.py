@@ -17,7 +17,7 @@ from specserve.cli.args import (
 )
 from specserve.engine.generate import run_task
 from specserve.engine.loading import RemoteOptions, load_with_draft
-from specserve.engine.runner import Runner
+from specserve.engine.runner import Runner, model_file
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Result, Task
@@ -47,7 +47,7 @@ class GenerationSession:
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
                                                   progress=progress, weight_format=weight_format,
                                                   tensor_parallel=tensor_parallel)
-        return cls(runner, Tokenizer.from_gguf(runner.gguf), sampling or SamplingParams(),
+        return cls(runner, Tokenizer.from_gguf(model_file(runner)), sampling or SamplingParams(),
                    (spec or SpecParams()).validate(), draft_runner)
 
     @classmethod

@@ -170,7 +170,7 @@ class SlotMemory:
         tokens = slot.cache[:self.runner.seq_len[slot.id]]
         if not self.held or len(tokens) < keep + MIN_SHARED_PREFIX:
             return
-        others = [s for s in (*self.slots, *self.held) if s is not slot]
+        others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
         if any(common_prefix(s.cache, tokens) == len(tokens) for s in others):
             return
         # the sequence it extends (it adds to that prefix), else an empty one, else the least recently used

@@ -9,7 +9,7 @@ from typing import Any
 
 from specserve import catalog
 from specserve.engine.local_runner import LocalRunner
-from specserve.engine.runner import Runner
+from specserve.engine.runner import Runner, model_file
 from specserve.engine.tp_runner import start_tensor_parallel
 from specserve.gguf.vocab_check import check_vocab_compatible
 from specserve.remote.client import RemoteRunner
@@ -36,7 +36,7 @@ def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptio
     if draft is None:
         return runner, None, path
     draft_runner = LocalRunner(catalog.resolve(draft), **{**runner_args, "n_ctx": runner.n_ctx})
-    check_vocab_compatible(runner.gguf.metadata, draft_runner.gguf.metadata)
+    check_vocab_compatible(model_file(runner).metadata, model_file(draft_runner).metadata)
     return runner, draft_runner, path
 
 

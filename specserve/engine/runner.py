@@ -7,11 +7,14 @@ calls over a connection, so the scheduler cannot tell them apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
 
+from specserve.gguf.reader import ModelFile
 from specserve.model.batch import Batch
+from specserve.model.config import ModelConfig
 from specserve.model.kv_ledger import KVLedger
 
 
@@ -35,9 +38,22 @@ class Runner(Protocol):
     seq_len: list[int]  # KV entries kept per sequence
     ledger: KVLedger  # lengths, block tables and the pool's size (kv_size), kept on the host
     device: torch.device
+    dtype: torch.dtype  # the model's activations (and float weights)
+    weight_format: str  # how its matrices are held (model.weights.WEIGHT_FORMATS, resolved)
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def config(self) -> ModelConfig | SimpleNamespace:
+        """The model's numbers (a remote runner's: the host's ModelConfig, as values)."""
+        ...
+
+    @property
+    def gguf(self) -> ModelFile | None:
+        """The model's file (a remote runner's: its path on the host and its metadata); None for weights built
+        in memory (LocalRunner.from_weights). `model_file` for a runner loaded from a file."""
+        ...
 
     @property
     def file_bytes(self) -> int:
@@ -85,3 +101,9 @@ class Runner(Protocol):
         ...
 
     def memory_info(self) -> dict[str, int]: ...
+
+
+def model_file(runner: Runner) -> ModelFile:
+    """The file of a runner loaded from one (every runner but LocalRunner.from_weights')."""
+    assert runner.gguf is not None, "a runner loaded from a model file"
+    return runner.gguf

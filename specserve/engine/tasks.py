@@ -98,7 +98,7 @@ class Result:
     # draft tokens (generated, accepted) of this task by source: a speculator's name ("prediction", "ngram_suffix", ...)
     draft_sources: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def timings(self) -> dict[str, float | int]:
+    def timings(self) -> dict[str, object]:
         n_eval = self.n_prompt - self.n_cached
 
         def per(ms: float, n: int) -> tuple[float, float]:

@@ -80,7 +80,7 @@ class TensorParallelRunner(ShardRunner):
             self.ledger.check(batch, batch.runs(), fed)  # refused here: no rank hears of it
             has_fed = fed is not None
             rows = [batch.tokens, batch.positions, batch.seq_ids, [int(w) for w in batch.want_logits]]
-            payload = torch.tensor(rows + ([list(fed)] if has_fed else []), dtype=torch.long)
+            payload = torch.tensor(rows + ([list(fed)] if fed is not None else []), dtype=torch.long)
             try:
                 self._send([LAUNCH, len(batch), int(has_fed)], payload)
                 return super().launch(batch, fed, logits)
@@ -168,8 +168,8 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
     config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
     check_tensor_parallel(config, world, set(gguf.tensor_names()))
     dt = dtype or default_dtype(dev)
-    spec = {"path": str(Path(model_path).resolve()), "n_seqs": n_seqs,
-            "n_ctx": int(n_ctx or min(config.context_length, DEFAULT_CTX)), "kv_size": kv_size,
+    ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
+    spec = {"path": str(Path(model_path).resolve()), "n_seqs": n_seqs, "n_ctx": ctx, "kv_size": kv_size,
             "dtype": str(dt).removeprefix("torch.")}
     t0 = time.monotonic()
     group = start_rank0(world, dev.type)
@@ -179,7 +179,7 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
     try:
         dist.broadcast_object_list([spec], 0, group=group.control)
         try:
-            runner = TensorParallelRunner(gguf, group, n_seqs=n_seqs, n_ctx=spec["n_ctx"], dtype=dt,
+            runner = TensorParallelRunner(gguf, group, n_seqs=n_seqs, n_ctx=ctx, dtype=dt,
                                           progress=progress, kv_size=kv_size)
         except Exception as exc:  # told to the followers below, so that they end too
             error = str(exc) if isinstance(exc, SpecserveError) else f"{type(exc).__name__}: {exc}"

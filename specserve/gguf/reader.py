@@ -7,7 +7,7 @@ into memory when the file is opened).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +53,17 @@ class _Reader(GGUFReader):
         dtype = np.dtype(dtype)
         arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+class ModelFile(Protocol):
+    """What the tokenizer and the chat template read of a model's file: a GGUFFile, or what a remote runner
+    knows of the host's (remote.client.RemoteModelFile)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def metadata(self) -> dict[str, Any]: ...
 
 
 class GGUFFile:

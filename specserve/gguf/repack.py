@@ -72,6 +72,7 @@ def repack(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> tuple[np.ndarra
     d = _f16(blocks, d_at)[:, None]
     mins = None
     if qtype in (Q.Q4_K, Q.Q5_K):  # 8 sub-blocks of 32, each with a 6-bit scale and min
+        assert min_at is not None
         packed = blocks[:, 4:16]
         unit[:, 4:16] = UNIT_K_SCALES
         sc, mn = Q4_K.get_scale_min(packed)

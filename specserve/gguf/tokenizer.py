@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from specserve.errors import SpecserveError
-from specserve.gguf.reader import GGUFFile
+from specserve.gguf.reader import ModelFile
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class Tokenizer:
         return frozenset(eog)
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+    def from_gguf(cls, gguf: ModelFile) -> Tokenizer:
         md = gguf.metadata
         model = md.get("tokenizer.ggml.model")
         if model != "gpt2":

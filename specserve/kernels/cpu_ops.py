@@ -15,9 +15,18 @@ round in another order (relative differences ~1e-7).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from specserve.kernels.cpu import build
+
+
+def _lib() -> ctypes.CDLL:
+    """The library, which `takes` (asked before each op) found built."""
+    lib = build.library()
+    assert lib is not None, "a CPU op without its library: takes(...) was not asked"
+    return lib
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -29,8 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    build.library().cpu_rms_norm(x.data_ptr(), None, None, weight.contiguous().data_ptr(), out.data_ptr(),
-                                 x.numel() // dim, dim, eps)
+    _lib().cpu_rms_norm(x.data_ptr(), None, None, weight.contiguous().data_ptr(), out.data_ptr(),
+                         x.numel() // dim, dim, eps)
     return out
 
 
@@ -40,8 +49,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     x, residual = x.contiguous(), residual.contiguous()
     out, summed = torch.empty_like(x), torch.empty_like(x)
     dim = x.shape[-1]
-    build.library().cpu_rms_norm(x.data_ptr(), residual.data_ptr(), summed.data_ptr(),
-                                 weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    _lib().cpu_rms_norm(x.data_ptr(), residual.data_ptr(), summed.data_ptr(),
+                         weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out, summed
 
 
@@ -64,11 +73,11 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     out = torch.empty((tokens, n_heads, dim), dtype=torch.float32)
     cos, sin = cos.contiguous(), sin.contiguous()
     row = q.stride(0) if tokens > 1 else 0  # a view's stride over one row is arbitrary, and unused
-    build.library().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
-                                   dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                                   k_cache.stride(1), k_cache.shape[2].bit_length() - 1, style == "neox",
-                                   out.data_ptr())
+    _lib().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
+                           dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                           k_cache.stride(1), k_cache.shape[2].bit_length() - 1, style == "neox",
+                           out.data_ptr())
     return out
 
 
@@ -95,11 +104,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
-    if build.library().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, k_cache.data_ptr(),
-                                     v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), positions.data_ptr(),
-                                     seq_ids.data_ptr(), table.data_ptr(), table.shape[1],
-                                     k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
-                                     torch.get_num_threads()):
+    if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), positions.data_ptr(),
+                             seq_ids.data_ptr(), table.data_ptr(), table.shape[1],
+                             k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
+                             torch.get_num_threads()):
         raise MemoryError("CPU attention could not allocate its scores")
     return out
 
@@ -109,5 +118,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], n), dtype=torch.float32)
-    build.library().cpu_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    _lib().cpu_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
     return out

@@ -178,39 +178,39 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_in
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     dense = dense_copy(x, w)
     w = w if dense is None else dense
-    quant = isinstance(w, QuantWeight)
-    cpu_packed = quant and not x.is_cuda
-    if cpu_packed and not triton_enabled(x):  # first: a CPU decode step makes ~120 of these
+    packed = w if isinstance(w, QuantWeight) else None  # (None: a float matrix)
+    cpu_packed = None if packed is None or x.is_cuda else packed
+    if cpu_packed is not None and not triton_enabled(x):  # first: a CPU decode step makes ~120 of these
         from specserve.kernels import quant_cpu
 
-        y = quant_cpu.product(x, w, bias, silu_input, out_dtype)
+        y = quant_cpu.product(x, cpu_packed, bias, silu_input, out_dtype)
         if y is not None:
             return y
     rows = x.numel() // x.shape[-1]
     invariant = batch_invariant.applies(x)
-    if quant and (rows <= MAX_SLICED_ROWS or invariant) and triton_enabled(x):
+    if packed is not None and (rows <= MAX_SLICED_ROWS or invariant) and triton_enabled(x):
         from specserve.kernels import quant_cuda
 
-        kernel = quant_cuda.usable(x, w, bias, out_dtype or x.dtype)
+        kernel = quant_cuda.usable(x, packed, bias, out_dtype or x.dtype)
         if kernel:
-            return quant_cuda.gemv(x, w, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
+            return quant_cuda.gemv(x, packed, bias, silu_input, out_dtype or x.dtype, kernel=kernel)
     if invariant:  # one kernel for every row count: float products in fixed slices
-        weight = dequantize(w, x.dtype) if quant else w
+        weight = dequantize(w, x.dtype) if isinstance(w, QuantWeight) else w
         y = batch_invariant.linear_float(silu_mul(x) if silu_input else x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
-    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (quant or _triton_gemv_float(rows)):
+    if rows <= MAX_GEMV_ROWS and triton_enabled(x) and (packed is not None or _triton_gemv_float(rows)):
         from specserve.kernels import linear_triton
 
         return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
     if silu_input:
         x = silu_mul(x)
-    if cpu_packed:  # (reached here under Triton's interpreter only)
+    if cpu_packed is not None:  # (reached here under Triton's interpreter only)
         from specserve.kernels import quant_cpu
 
-        y = quant_cpu.product(x, w, bias, False, out_dtype)
+        y = quant_cpu.product(x, cpu_packed, bias, False, out_dtype)
         if y is not None:
             return y
-    weight = dequantize(w, x.dtype) if quant else w
+    weight = dequantize(w, x.dtype) if isinstance(w, QuantWeight) else w
     y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 

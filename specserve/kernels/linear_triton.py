@@ -212,12 +212,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor | QuantWeight, bias: torch.Tensor | No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n_rows = x2.shape[0]
-    quant = isinstance(w, QuantWeight)
     n_out, k = w.shape
     assert n_rows <= 16 and x2.shape[1] == (2 * k if silu_input else k)
     out = torch.empty((n_rows, n_out), dtype=out_dtype, device=x.device)
     b = bias if bias is not None else x2
-    if quant:
+    if isinstance(w, QuantWeight):
         kind, cfg = pick_quant_blocks(n_rows, n_out, k, w.bits)
         args = (x2, w.words, w.sm.view(torch.int32), b, out)
         flags = {"BITS": w.bits, "G": w.group, "HAS_BIAS": bias is not None, "SILU_IN": silu_input, **cfg}

@@ -30,6 +30,7 @@ from specserve.kernels.step_ops import ResidualStream, feed_forward
 def _expert_out(h: torch.Tensor, w_gate_up: Weight, w_down: Weight) -> torch.Tensor:
     if isinstance(w_gate_up, QuantWeight):  # one packed expert: the dense feed-forward's products (CPU kernels)
         return feed_forward(h, w_gate_up, w_down)
+    assert isinstance(w_down, torch.Tensor), "float or packed, not mixed"
     return F.linear(silu_mul_ref(F.linear(h, w_gate_up)), w_down)
 
 
@@ -58,6 +59,7 @@ def moe_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                 pairs[chosen] = _expert_out(x[chosen // k], _expert(w_gate_up, expert), _expert(w_down, expert)).float()
                 start += count
     else:
+        assert isinstance(w_gate_up, torch.Tensor) and isinstance(w_down, torch.Tensor), "packed: by expert"
         for expert in range(w_gate_up.shape[0]):
             out = _expert_out(x, w_gate_up[expert], w_down[expert]).float().repeat_interleave(k, dim=0)
             pairs = torch.where((flat_ids == expert)[:, None], out, pairs)

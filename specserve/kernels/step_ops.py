@@ -52,6 +52,7 @@ def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tu
     in linear_fused; elsewhere SwiGLU runs in down's input (norm and add_to are then not allowed).
     Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values."""
     if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
+        assert isinstance(w_gate_up, QuantWeight) and isinstance(w_down, QuantWeight)  # (fusable: packed)
         from specserve.kernels import quant_cuda
 
         act = quant_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
@@ -121,6 +122,7 @@ class NormQKVRope:
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = stream.residual.shape[0]
         if stream.fused:
+            assert isinstance(self.w, QuantWeight)  # a fused step's ops are fusable: packed
             rope = RopeWrite(self.cos, self.sin, positions, slots, k_cache, v_cache, self.n_heads, self.n_kv_heads,
                              self.style)
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
@@ -146,6 +148,7 @@ class LinearAdd:
 
     def __call__(self, stream: ResidualStream, x: torch.Tensor) -> None:
         if stream.fused:
+            assert isinstance(self.w, QuantWeight)  # a fused step's ops are fusable: packed
             linear_fused(x, self.w, add_to=stream.residual)
         else:
             stream.add(linear(x, self.w))
@@ -183,7 +186,7 @@ class NormLinear:
     out_dtype: torch.dtype | None = None
 
     def __call__(self, stream: ResidualStream) -> torch.Tensor:
-        if stream.fused and fusable(stream.residual, self.w, norm_input=True):
+        if stream.fused and isinstance(self.w, QuantWeight) and fusable(stream.residual, self.w, norm_input=True):
             return linear_fused(stream.residual, self.w, norm=(self.norm, self.eps), out_dtype=self.out_dtype)
         return linear(stream.normed(self.norm, self.eps), self.w, out_dtype=self.out_dtype)
 

@@ -77,6 +77,7 @@ class DenseFeedForward:
     """RMSNorm -> [gate | up] product -> SwiGLU -> down product, added to the residual stream."""
 
     def __init__(self, config: ModelConfig, lw: LayerWeights) -> None:
+        assert lw.w_gate_up is not None and lw.w_down is not None, "a dense layer's feed-forward matrices"
         self.ffn = NormFeedForwardAdd(lw.ffn_norm, config.rms_eps, lw.w_gate_up, lw.w_down)
 
     def ops(self) -> list[StepOp]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ def moe_tensor_name(role: str, layer: int) -> str:
     return _moe_name(MOE_TENSORS[role], layer)
 
 
-def is_moe_layer(tensor_names: set[str] | list[str], layer: int) -> bool:
+def is_moe_layer(tensor_names: Container[str], layer: int) -> bool:
     """A layer is a mixture of experts when the file has its stacked expert tensors (ffn_gate_exps)."""
     return moe_tensor_name("gate", layer) in tensor_names
 
@@ -112,7 +113,7 @@ class ModelWeights:
         """Bytes of all weight tensors (the output matrix once, even when tied)."""
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.out_norm, self.output]
+        tensors: list[Weight | QuantExperts] = [self.embed, self.out_norm, self.output]
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if t is not None and not isinstance(t, ExpertWeights)]
             tensors += layer.experts.tensors() if layer.experts is not None else []
@@ -167,9 +168,31 @@ def add_dense_copies(weights: ModelWeights, dtype: torch.dtype, budget: int) -> 
 
 def _fuse(parts: list[Weight], dtype: torch.dtype) -> Weight:
     """Stack matrices along N, quantized if all parts are, else in `dtype`."""
-    if all(isinstance(p, QuantWeight) for p in parts):
-        return concat_quant(parts)  # type: ignore[arg-type]
+    packed = [p for p in parts if isinstance(p, QuantWeight)]
+    if len(packed) == len(parts):
+        return concat_quant(packed)
     return torch.cat([dequantize_ref(p, dtype) if isinstance(p, QuantWeight) else p for p in parts])
+
+
+Loaded = Weight | QuantExperts  # a tensor as load_weights reads it
+
+
+def _tensor(w: Loaded | None) -> torch.Tensor:
+    """A tensor never packed: a norm, a bias, the embedding table, a router."""
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def _matrix(w: Loaded | None) -> Weight:
+    """A layer's (or the output head's) matrix: packed or float."""
+    assert w is not None and not isinstance(w, QuantExperts)
+    return w
+
+
+def _expert_stack(w: Loaded | None) -> ExpertMatrix:
+    """A stack of experts [n_expert, N, K]: packed or float."""
+    assert isinstance(w, torch.Tensor | QuantExperts)
+    return w
 
 
 def _tensor_names(gguf: GGUFFile, config: ModelConfig) -> list[str]:
@@ -240,31 +263,29 @@ def _experts_as_loaded(gate: ExpertMatrix, up: ExpertMatrix, down: ExpertMatrix,
     return torch.cat([as_float(gate), as_float(up)], dim=1), as_float(down)
 
 
-def _expert_weights(t: dict[str, Weight], layer: int, config: ModelConfig, dtype: torch.dtype) -> ExpertWeights:
+def _expert_weights(t: dict[str, Loaded], layer: int, config: ModelConfig, dtype: torch.dtype) -> ExpertWeights:
     """Layer `layer`'s MoE tensors out of the loaded ones `t` (gate and up fused along dim 1, like the
     dense [gate | up]); the parts are removed from `t` as they are fused."""
 
-    def take(role: str) -> Weight | None:
+    def take(role: str) -> Loaded | None:
         return t.pop(moe_tensor_name(role, layer), None)
 
-    gate, up, down = take("gate"), take("up"), take("down")
-    assert all(isinstance(w, torch.Tensor | QuantExperts) for w in (gate, up, down))
+    gate, up, down = (_expert_stack(take(role)) for role in ("gate", "up", "down"))
     n_expert, ffn, hidden = gate.shape
     if up.shape != gate.shape or down.shape != (n_expert, hidden, ffn) or hidden != config.hidden:
         raise SpecserveError(f"layer {layer}: expert tensors of shapes {tuple(gate.shape)}, {tuple(up.shape)}, "
                              f"{tuple(down.shape)} do not fit a hidden size of {config.hidden}")
-    router = take("router")
-    assert isinstance(router, torch.Tensor)
+    router = _tensor(take("router"))
     if router.shape != (n_expert, hidden):
         raise SpecserveError(f"layer {layer}: router of shape {tuple(router.shape)} for {n_expert} experts")
     shared_gate_up = None
     if moe_tensor_name("shared_gate_proj", layer) in t:
-        shared_gate_up = _fuse([take("shared_gate_proj"), take("shared_up")], dtype)  # type: ignore[list-item]
-    shared_gate = take("shared_gate")
-    gate_up, down = _experts_as_loaded(gate, up, down, dtype)  # type: ignore[arg-type]
+        shared_gate_up = _fuse([_matrix(take("shared_gate_proj")), _matrix(take("shared_up"))], dtype)
+    shared_gate, shared_down = take("shared_gate"), take("shared_down")
+    gate_up, down = _experts_as_loaded(gate, up, down, dtype)
     return ExpertWeights(router=router, gate_up=gate_up, down=down, shared_gate_up=shared_gate_up,
-                         shared_down=take("shared_down"),
-                         shared_gate=None if shared_gate is None else shared_gate.reshape(1, hidden))
+                         shared_down=None if shared_down is None else _matrix(shared_down),
+                         shared_gate=None if shared_gate is None else _tensor(shared_gate).reshape(1, hidden))
 
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
@@ -280,8 +301,8 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     workers = min(8, os.cpu_count() or 1)
     with tqdm(total=len(names) + tied_output, desc="load", unit="tensor", disable=not progress,
               leave=False) as bar, ThreadPoolExecutor(workers) as pool:
-        def load(name: str) -> Weight | QuantExperts:
-            quant: Weight | QuantExperts | None = None
+        def load(name: str) -> Loaded:
+            quant: Loaded | None = None
             if weight_format == "gguf" and _is_matrix(name):
                 quant = _load_packed(gguf, name, device)
             elif weight_format == "gguf" and pack_experts and _is_experts(name):
@@ -303,33 +324,35 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                else f"no packed-expert kernels run on {device}")
         log.warning("%d of the stacked expert tensors load as float (%s): %s", n_float, dtype, why)
 
-    def opt(name: str) -> Weight | None:
-        return t.get(name)
+    def opt(name: str) -> torch.Tensor | None:
+        return _tensor(t[name]) if name in t else None
 
     layers = []
     for i in range(config.n_layers):
         p = f"blk.{i}."
         bqkv = None
         if config.qkv_bias:
-            bqkv = torch.cat([t[p + "attn_q.bias"], t[p + "attn_k.bias"], t[p + "attn_v.bias"]])
+            bqkv = torch.cat([_tensor(t[p + "attn_q.bias"]), _tensor(t[p + "attn_k.bias"]),
+                              _tensor(t[p + "attn_v.bias"])])
         dense = not is_moe_layer(t, i)
         layers.append(
             LayerWeights(
-                attn_norm=t[p + "attn_norm.weight"],
-                wqkv=_fuse([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]], dtype),
+                attn_norm=_tensor(t[p + "attn_norm.weight"]),
+                wqkv=_fuse([_matrix(t[p + f"attn_{x}.weight"]) for x in "qkv"], dtype),
                 bqkv=bqkv,
                 q_norm=opt(p + "attn_q_norm.weight"),
                 k_norm=opt(p + "attn_k_norm.weight"),
-                wo=t[p + "attn_output.weight"],
-                ffn_norm=t[p + "ffn_norm.weight"],
-                w_gate_up=_fuse([t.pop(p + "ffn_gate.weight"), t.pop(p + "ffn_up.weight")], dtype) if dense else None,
-                w_down=t[p + "ffn_down.weight"] if dense else None,
+                wo=_matrix(t[p + "attn_output.weight"]),
+                ffn_norm=_tensor(t[p + "ffn_norm.weight"]),
+                w_gate_up=_fuse([_matrix(t.pop(p + "ffn_gate.weight")), _matrix(t.pop(p + "ffn_up.weight"))],
+                                dtype) if dense else None,
+                w_down=_matrix(t[p + "ffn_down.weight"]) if dense else None,
                 experts=None if dense else _expert_weights(t, i, config, dtype),
             )
         )
         for suffix in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
             del t[p + suffix]  # the fused copies replace them; free the parts now
-    embed = t["token_embd.weight"]
-    output = t.get("output.weight", embed)
-    weights = ModelWeights(embed=embed, layers=layers, out_norm=t["output_norm.weight"], output=output)
+    embed = _tensor(t["token_embd.weight"])
+    output = _matrix(t.get("output.weight", embed))
+    weights = ModelWeights(embed=embed, layers=layers, out_norm=_tensor(t["output_norm.weight"]), output=output)
     return quantize_weights(weights, weight_format)

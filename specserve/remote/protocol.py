@@ -85,7 +85,7 @@ COMMANDS = (
 BY_CODE = {c.code: c for c in COMMANDS}
 BY_NAME = {c.name: c for c in COMMANDS}
 
-DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<i8")}
+DTYPES: dict[int, np.dtype[Any]] = {0: np.dtype("<f4"), 1: np.dtype("<i8")}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 

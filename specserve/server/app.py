@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
 from specserve.build_info import build_info
+from specserve.engine.runner import model_file
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
@@ -339,7 +340,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "total_slots": engine.settings.n_parallel,
             "model_alias": engine.model_name,
             "model_path": str(engine.model_path),
-            "draft_model_path": str(engine.draft_runner.gguf.path) if engine.draft_runner else None,
+            "draft_model_path": str(model_file(engine.draft_runner).path) if engine.draft_runner else None,
             "chat_template": tok.chat_template or "",
             "chat_format": engine.tool_style.format,  # how tool calls are read (server/tool_calls.py)
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",

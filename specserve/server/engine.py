@@ -15,8 +15,9 @@ from typing import Any
 from specserve import catalog
 from specserve.engine.constraints import GrammarCompiler, GrammarSource
 from specserve.engine.loading import RemoteOptions, load_with_draft
-from specserve.engine.local_runner import DEFAULT_CTX, LocalRunner, checked_device
+from specserve.engine.local_runner import DEFAULT_CTX, checked_device
 from specserve.engine.logit_bias import LogitBias
+from specserve.engine.runner import Runner, model_file
 from specserve.engine.sampling import SamplingParams, choice_seed
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.slot_state import POOLINGS
@@ -142,7 +143,7 @@ def check_settings(s: ServerSettings) -> None:
     s.spec.validate()
 
 
-def _gguf_pooling(runner: LocalRunner) -> str:
+def _gguf_pooling(runner: Runner) -> str:
     """Embedding models say how they pool (`{arch}.pooling_type`: 1 mean, 3 last); generative ones do not."""
     gguf = getattr(runner, "gguf", None)
     meta = getattr(gguf, "metadata", None) or {}
@@ -153,8 +154,8 @@ def _gguf_pooling(runner: LocalRunner) -> str:
 class Engine:
     """A loaded model serving requests through its scheduler."""
 
-    def __init__(self, settings: ServerSettings, model_path: Path, runner: LocalRunner,
-                 draft_runner: LocalRunner | None, tokenizer: Tokenizer):
+    def __init__(self, settings: ServerSettings, model_path: Path, runner: Runner,
+                 draft_runner: Runner | None, tokenizer: Tokenizer):
         self.settings = settings
         self.model_path = model_path
         self.runner = runner
@@ -194,7 +195,7 @@ class Engine:
         runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max), sequences=settings.n_parallel)
         if draft_runner is not None:  # the slots draft together: a row each per draft token
             draft_runner.warmup(max_rows=settings.n_parallel, sequences=settings.n_parallel)
-        tokenizer = Tokenizer.from_gguf(runner.gguf)
+        tokenizer = Tokenizer.from_gguf(model_file(runner))
         if settings.chat_template is not None:
             tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders
         engine = cls(settings, path, runner, draft_runner, tokenizer)

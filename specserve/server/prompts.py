@@ -66,7 +66,7 @@ def resolve_logit_bias(encoder: TextEncoder, given: LogitBiasInput) -> dict[int,
     for pair in pairs:
         if len(pair) != 2 or isinstance(pair[0], bool | float) or isinstance(pair[1], str):
             raise SpecserveError(f"logit_bias: each entry is [token id or text, bias], got {list(pair)!r}")
-        key, bias = pair
+        key, bias = pair[0], pair[1]  # (as checked above)
         if bias is True or (not isinstance(bias, bool) and not math.isfinite(bias)):
             raise SpecserveError(f"logit_bias: a bias is a finite number, or false for never (got {bias!r})")
         amount = -math.inf if bias is False else float(bias)

@@ -53,6 +53,7 @@ def split(text: str | None, fmt: str = "auto", started_open: bool = False) -> tu
     if fmt == "none":
         return None, text
     pair = _leading_pair(text)
+    closers: tuple[str, ...]
     if pair is not None:  # (a model may write the opener again after the prompt opened the block)
         body, closers = text.lstrip()[len(pair[0]):], (pair[1],)
     elif started_open:

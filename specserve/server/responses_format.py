@@ -159,7 +159,7 @@ class ResponsesFormat(Format):
                                    part=_part(block, ""))]
 
     def _grew(self, block: Block, text: str) -> dict[str, Any]:
-        fields = {} if block.kind == "call" else {"content_index": 0}
+        fields: dict[str, Any] = {} if block.kind == "call" else {"content_index": 0}
         if block.kind == "text":
             fields["logprobs"] = []
         return self._event(_DELTA[block.kind], **self._where(block), **fields, delta=text)
@@ -170,7 +170,7 @@ class ResponsesFormat(Format):
                                   arguments=block.text)]
         else:
             text_done = "response.reasoning_text.done" if block.kind == "reasoning" else "response.output_text.done"
-            extra = {"logprobs": []} if block.kind == "text" else {}
+            extra: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
             events = [self._event(text_done, **self._where(block), content_index=0, text=block.text, **extra),
                       self._event("response.content_part.done", **self._where(block), content_index=0,
                                   part=_part(block, block.text))]

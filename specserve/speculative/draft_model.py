@@ -15,7 +15,7 @@ import torch
 
 from specserve.model.batch import Batch, common_prefix
 from specserve.model.kv_ledger import KVLedger
-from specserve.speculative.base import ProposeAsk, Speculator
+from specserve.speculative.base import Speculator
 
 TOP_K = 10
 
@@ -58,7 +58,10 @@ class DraftModelSpeculator(Speculator):
         return draft_together([(self, history, last_sampled, n_max)])[0]
 
 
-def draft_together(requests: list[ProposeAsk]) -> list[list[int]]:
+DraftModelAsk = tuple[DraftModelSpeculator, list[int], int, int]  # a ProposeAsk of a draft-model speculator
+
+
+def draft_together(requests: list[DraftModelAsk]) -> list[list[int]]:
     """Each request's draft (speculator, history, last sampled, n_max), its draft-model speculators sharing one
     runner (a sequence each): the tokens new to their caches in one forward (each alone where that would pass
     n_batch rows), then one forward per draft token for all that still draft. The draft runner's KV pool also
@@ -110,7 +113,7 @@ def draft_together(requests: list[ProposeAsk]) -> list[list[int]]:
     return drafts
 
 
-def _room(requests: list[ProposeAsk], live: list[int], spans: list[tuple[int, list[int]]]) -> bool:
+def _room(requests: list[DraftModelAsk], live: list[int], spans: list[tuple[int, list[int]]]) -> bool:
     """Whether the draft runner's pool holds what these asks evaluate (their new tokens and drafts but the last),
     after giving up the caches of the sequences not asking."""
     runner = requests[live[0]][0].runner
@@ -129,4 +132,5 @@ def _room(requests: list[ProposeAsk], live: list[int], spans: list[tuple[int, li
     return need() <= blocks.free
 
 
+# (the Speculator's type says any speculator; draft_chains passes this one only speculators of this type)
 DraftModelSpeculator.propose_together = staticmethod(draft_together)  # type: ignore[assignment]

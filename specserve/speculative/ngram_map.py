@@ -49,6 +49,8 @@ class NgramMap(Speculator):
     others together. Both draft at most `min(m, accepted-at-last-use)` tokens.
     """
 
+    _index: NgramIndex
+
     def __init__(self, params: SpecParams, key_only: bool | None = None):
         super().__init__()
         if key_only is None:
@@ -103,10 +105,10 @@ class NgramMap(Speculator):
             start = match_pos + n
         else:
             self._count_values(history, key, entry, match_pos)
-            value = self._dominant(entry)
-            if value is None:
+            dominant = self._dominant(entry)
+            if dominant is None:
                 return []
-            start = value.value_idx
+            value, start = dominant, dominant.value_idx
         self._last_value = value
         return history[start:start + min(m, value.n_accepted)]
 

@@ -14,6 +14,7 @@ class NgramSimple(Speculator):
     """Pattern = last n-1 history tokens + the last sampled token; draft = what followed it before."""
 
     name = "ngram_simple"
+    _index: NgramIndex
 
     def __init__(self, params: SpecParams):
         super().__init__()

@@ -103,6 +103,7 @@ class NgramSuffix(Speculator):
     """Draft = the tokens after the latest earlier occurrence of the longest matching suffix."""
 
     name = "ngram_suffix"
+    _index: SuffixIndex
 
     def __init__(self, params: SpecParams):
         super().__init__()

@@ -34,6 +34,7 @@ class PredictionDrafter(Speculator):
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         p = self.prediction
+        start: int | None
         if 0 < self.anchor <= len(p) and p[self.anchor - 1] == last_sampled and self._follows(history):
             start = self.anchor  # still on the prediction
         else:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -66,7 +67,7 @@ def set_max_dynamic_shared_memory(func: Any, n_bytes: int) -> None:
 
 
 @cache
-def _memcpy_async() -> ctypes._CFuncPtr:
+def _memcpy_async() -> Callable[..., int]:
     fn = _libcuda().cuMemcpyAsync
     fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     fn.restype = ctypes.c_int
