@@ -174,3 +174,24 @@ def test_build_info_is_shaped_as_llama_servers(client: TestClient) -> None:
     answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                        "max_tokens": 1}).json()
     assert answer["system_fingerprint"] == build
+
+
+def test_return_progress_and_timings_per_token_in_streams(client: TestClient) -> None:
+    prompt = "Count: one two three four five six seven eight nine ten"
+    n_prompt = len(client.post("/tokenize", json={"content": prompt}).json()["tokens"])
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "cache_prompt": False, "return_progress": True,
+            "timings_per_token": True}
+    events = sse(client, "/completion", body)
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"] == n_prompt
+    assert progress[-1]["cache"] == 0 and progress[-1]["time_ms"] > 0
+    steps = [e["timings"]["predicted_n"] for e in events if "timings" in e and not e["stop"]]
+    assert steps and steps == sorted(steps) and steps[-1] <= 4
+    assert events.index(next(e for e in events if "prompt_progress" in e)) < events.index(
+        next(e for e in events if e.get("content")))
+    chat = sse(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+                                                 "return_progress": True, "timings_per_token": True})
+    assert any("prompt_progress" in e and e["choices"] == [] for e in chat[:-1])
+    assert any("timings" in e and e["choices"] and e["choices"][0]["finish_reason"] is None for e in chat[:-1])
+    plain = complete(client, prompt, n_predict=2, return_progress=True)  # not streamed: no progress, same answer
+    assert "prompt_progress" not in plain and plain["generation_settings"]["return_progress"] is True

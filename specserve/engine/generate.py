@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import ChainFactory, Scheduler
-from specserve.engine.tasks import Chunk, Event, Failure, Result, Task
+from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, Task
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import SpecParams
@@ -33,6 +33,8 @@ def run_task(scheduler: Scheduler, task: Task) -> Iterator[Chunk | Result]:
                 event = events.popleft()
                 if isinstance(event, Failure):
                     raise SpecserveError(event.message)
+                if isinstance(event, Progress):
+                    continue
                 yield event
                 if isinstance(event, Result):
                     return

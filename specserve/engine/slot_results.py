@@ -16,7 +16,7 @@ from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
 from specserve.engine.step_trace import TRACE
-from specserve.engine.tasks import Chunk, Event, Failure, Result, TaskHandle, TokenProb
+from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 
@@ -94,6 +94,9 @@ class SlotResults:
         task = slot.task
         slot.cache.extend(task.prompt[slot.n_past:slot.n_past + e.n_rows])
         slot.n_past += e.n_rows
+        if task.return_progress:
+            elapsed = (time.perf_counter() - slot.t_start) * 1000
+            self._post(slot.handle, Progress(len(task.prompt), slot.n_cached, slot.n_past, elapsed))  # type: ignore[arg-type]
         if not e.final:
             return
         slot.t_prompt_done = time.perf_counter()
@@ -200,7 +203,8 @@ class SlotResults:
             stream.flush()
         text = stream.take(final=bool(stop_type))
         if text or emitted:
-            self._post(slot.handle, Chunk(text, emitted, probs))  # type: ignore[arg-type]
+            timings = self._result(slot, "", time.perf_counter()).timings() if task.timings_per_token else None
+            self._post(slot.handle, Chunk(text, emitted, probs, timings))  # type: ignore[arg-type]
         if stop_type:
             self._finish(slot, stop_type, context_full)
 
@@ -217,6 +221,18 @@ class SlotResults:
 
     # -- task end ----------------------------------------------------------------------------------
 
+    def _result(self, slot: Slot, stop_type: str, now: float, context_full: bool = False) -> Result:
+        """The task's result as of `now` (also its timings so far, with an empty stop_type)."""
+        assert slot.handle is not None and slot.stream is not None
+        prompt_done = slot.t_prompt_done if slot.state in (SlotState.GENERATING, SlotState.RESUMING) else now
+        return Result(
+            slot=slot.id, stop_type=stop_type, stopping_word=slot.stream.stopping_word,
+            n_prompt=len(slot.handle.task.prompt), n_cached=slot.n_cached, n_predicted=slot.n_decoded,
+            prompt_ms=(prompt_done - slot.t_start) * 1000, predicted_ms=(now - prompt_done) * 1000,
+            draft_n=slot.draft_n, draft_n_accepted=slot.draft_accepted, context_full=context_full,
+            n_steps=slot.n_steps, draft_sources=self._task_drafts(slot),
+        )
+
     def _finish(self, slot: Slot, stop_type: str, context_full: bool = False) -> None:
         handle = slot.handle
         assert handle is not None and slot.stream is not None
@@ -227,13 +243,7 @@ class SlotResults:
         text = slot.stream.take(final=True)
         if text and stop_type != "cancelled":
             self._post(handle, Chunk(text, []))
-        result = Result(
-            slot=slot.id, stop_type=stop_type, stopping_word=slot.stream.stopping_word,
-            n_prompt=len(handle.task.prompt), n_cached=slot.n_cached, n_predicted=slot.n_decoded,
-            prompt_ms=(prompt_done - slot.t_start) * 1000, predicted_ms=(now - prompt_done) * 1000,
-            draft_n=slot.draft_n, draft_n_accepted=slot.draft_accepted, context_full=context_full,
-            n_steps=slot.n_steps, draft_sources=self._task_drafts(slot),
-        )
+        result = self._result(slot, stop_type, now, context_full)
         # Steps queued after this one may have written past what the slot keeps.
         self.runner.kv_truncate(slot.id, len(slot.cache))
         with self._cond:

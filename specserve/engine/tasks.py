@@ -10,6 +10,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.engine.constraints import Constraint
 from specserve.engine.logit_bias import LogitBias
@@ -40,6 +41,8 @@ class Task:
     # Control tokens whose text the answer keeps (the others are left out): a chat's tool-call markers, which
     # its parser reads (server/chat_tools.py)
     keep_special: frozenset[int] = frozenset()
+    return_progress: bool = False  # Progress events while the prompt is read (llama-server's return_progress)
+    timings_per_token: bool = False  # every Chunk carries the timings so far
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:
@@ -51,6 +54,7 @@ class Task:
             "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
             "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
+            "timings_per_token": self.timings_per_token, "return_progress": self.return_progress,
             "grammar": self.constraint.source.text if self.constraint is not None else "",
             "logit_bias": self.logit_bias.to_json() if self.logit_bias is not None else [],
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,
@@ -77,6 +81,21 @@ class Chunk:
     text: str
     tokens: list[int]
     probs: list[TokenProb] | None = None
+    timings: dict[str, Any] | None = None  # Result.timings() so far, for a task with timings_per_token
+
+
+@dataclass
+class Progress:
+    """How far the prompt has been read (llama-server's prompt_progress): `processed` of `total` prompt tokens,
+    `cache` of them taken from the cache, `time_ms` since the task started."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
 
 
 @dataclass
@@ -121,7 +140,7 @@ class Failure:
     message: str
 
 
-Event = Chunk | Result | Failure
+Event = Chunk | Progress | Result | Failure
 
 
 class TaskHandle:

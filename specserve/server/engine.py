@@ -299,7 +299,8 @@ class Engine:
                                   spec=spec, n_predict=limit, stop=fields.stop_list(),
                                   cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
                                   constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
-                                  prediction=prediction or None))
+                                  prediction=prediction or None, return_progress=fields.return_progress,
+                                  timings_per_token=fields.timings_per_token))
         return tasks
 
     @staticmethod

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from specserve.build_info import build_info
-from specserve.engine.tasks import Chunk, Result, Task, TokenProb
+from specserve.engine.tasks import Chunk, Progress, Result, Task, TokenProb
 from specserve.server.chat_output import ChatOutput, OutputSpec, delta_json, finish_reason, message_json, read_message
 from specserve.server.engine import Engine
 from specserve.server.errors import error_body
@@ -69,6 +69,10 @@ class Format:
 
     def chunk(self, chunk: Chunk) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+    def progress(self, progress: Progress) -> list[dict[str, Any]]:
+        """A stream's event for prompt progress (a request's return_progress); none in this API."""
+        return []
 
     def final(self, result: Result) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -131,6 +135,10 @@ class NativeFormat(Format):
         if chunk.probs:
             out["completion_probabilities"] = self._probs(chunk.probs)
         return [out]
+
+    def progress(self, progress: Progress) -> list[dict[str, Any]]:
+        return [{"index": self.index, "content": "", "tokens": [], "stop": False,
+                 "prompt_progress": progress.to_json()}]
 
     def _summary(self, result: Result) -> dict[str, Any]:
         return {
@@ -198,6 +206,9 @@ class OpenAIFormat(Format):
 
     def _empty_choice(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def progress(self, progress: Progress) -> list[dict[str, Any]]:
+        return [{**self._envelope(None), "prompt_progress": progress.to_json()}]
 
     def _finish_reason(self, result: Result) -> str:
         return FINISH_REASON[result.stop_type]

@@ -18,7 +18,7 @@ LLAMA_ONLY_FIELDS: dict[str, Any] = {
     "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [], "chat_format": "Content-only",
     "reasoning_format": "none", "reasoning_in_content": False, "thinking_forced_open": False,
     "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],  # our chain (engine/sampling.py)
-    "timings_per_token": False, "post_sampling_probs": False, "lora": [],
+    "post_sampling_probs": False, "lora": [],
 }
 
 

@@ -98,6 +98,8 @@ class GenerationFields(_Strict):
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     stop: str | list[str] | None = None
     cache_prompt: bool = True
+    return_progress: bool = False  # streams: prompt_progress while the prompt is read (llama-server's)
+    timings_per_token: bool = False  # streams: every chunk carries the timings so far (llama-server's)
     ignore_eos: bool = False  # generate past end-of-generation tokens
     spec_type: str | None = Field(None, alias="speculative.type")
     spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=0)

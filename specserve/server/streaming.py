@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specserve.engine.tasks import Chunk, Event, Failure, Result, Task
+from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, Task
 from specserve.server.engine import Engine
 from specserve.server.errors import Unavailable
 from specserve.server.formats import Format
@@ -132,6 +132,8 @@ async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket,
             i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
                 chunks[i].append(event)
+            elif isinstance(event, Progress):
+                continue  # (prompt progress goes to streams only)
             elif isinstance(event, Result):
                 results[i] = event
             elif isinstance(event, Failure):
@@ -162,7 +164,12 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
         for item in items:
             i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
-                out += [formats[i].sse(obj) for obj in formats[i].chunk(event)]
+                objs = formats[i].chunk(event)
+                if event.timings is not None and objs and not formats[i].named_events:
+                    objs[-1]["timings"] = event.timings  # timings_per_token, on the step's last event
+                out += [formats[i].sse(obj) for obj in objs]
+            elif isinstance(event, Progress):
+                out += [formats[i].sse(obj) for obj in formats[i].progress(event)]
             elif isinstance(event, Result):
                 results[i] = event
                 out += [formats[i].sse(obj) for obj in formats[i].final(event)]
