@@ -195,3 +195,13 @@ def test_return_progress_and_timings_per_token_in_streams(client: TestClient) ->
     assert any("timings" in e and e["choices"] and e["choices"][0]["finish_reason"] is None for e in chat[:-1])
     plain = complete(client, prompt, n_predict=2, return_progress=True)  # not streamed: no progress, same answer
     assert "prompt_progress" not in plain and plain["generation_settings"]["return_progress"] is True
+
+
+def test_verbose_answers_carry_the_native_body() -> None:
+    verbose = app_engine.client(verbose=True)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    answer = verbose.post("/v1/chat/completions", json=body).json()
+    native = answer["__verbose"]
+    assert native["content"] == answer["choices"][0]["message"]["content"] and len(native["tokens"]) == 3
+    assert native["timings"]["predicted_n"] == 3
+    assert "__verbose" not in app_engine.client().post("/v1/chat/completions", json=body).json()

@@ -86,6 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="adaptive: with a few slots busy, draft only while drafting measurably gives more "
                         "tokens/s, with more, draft in chained steps (the default); gated: as adaptive, but with "
                         "more slots busy nothing drafts; always: draft whenever a request's speculator can")
+    g.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                   help="debug logs, and OpenAI answers carry `__verbose`: the native /completion body, as "
+                        "llama-server's")
     g.add_argument("--spec-shared-tokens", type=int, default=DEFAULT_TOKENS, metavar="N",
                    help="ngram-suffix also drafts from earlier requests (prompts and outputs) of the same API key "
                         "and speculative.scope: tokens kept for that in all, least recently used out first "
@@ -152,7 +155,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
         cache_prefixes=args.cache_prefixes,
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy != "always",
-        chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict,
+        chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict, verbose=args.verbose,
         spec_shared_tokens=args.spec_shared_tokens,
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
@@ -185,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("specserve").setLevel(logging.INFO)
+    logging.getLogger("specserve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     sockets = listen.bind(hosts, args.port)  # now: a bad address is an error before the model loads
     failures: list[str] = []
     server: uvicorn.Server | None = None

@@ -241,6 +241,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             engine = eng()
             job = await run_in_threadpool(build, engine, body)
             engine.scope_tasks(job.tasks, getattr(request.state, "tenant", ""))
+            job.verbose = state.settings.verbose
             state.admission.widen(ticket, len(job.tasks))  # a batch or n choices: every task counts
             return await respond(request, engine, job, ticket)
         except BaseException:

@@ -70,6 +70,7 @@ class ServerSettings:
     mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
+    verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
     webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_queue: int = 256  # generation requests waiting for a slot; more get 503

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, Task
 from specserve.server.engine import Engine
 from specserve.server.errors import Unavailable
-from specserve.server.formats import Format
+from specserve.server.formats import Format, NativeFormat, OpenAIFormat
 from specserve.server.limits import Interrupted, Ticket
 from specserve.server.request_log import note_result
 
@@ -32,6 +32,7 @@ class Job:
     tasks: list[Task]
     formats: list[Format]
     stream: bool
+    verbose: bool = False  # the server's --verbose: an OpenAI answer carries `__verbose`
 
     def __post_init__(self) -> None:
         for i, fmt in enumerate(self.formats):
@@ -227,4 +228,8 @@ async def respond(request: Request, engine: Engine, job: Job, ticket: Ticket) ->
         ticket.release()
     formats = job.formats
     bodies = [fmt.body(c, r) for fmt, c, r in zip(formats, chunks, results, strict=True)]
-    return JSONResponse(formats[0].combine(bodies, results, formats))
+    answer = formats[0].combine(bodies, results, formats)
+    if job.verbose and isinstance(answer, dict) and isinstance(formats[0], OpenAIFormat):
+        # llama-server's --verbose: an OpenAI answer also carries the native /completion body of its first task
+        answer["__verbose"] = NativeFormat(engine, job.tasks[0], return_tokens=True).body(chunks[0], results[0])
+    return JSONResponse(answer)
