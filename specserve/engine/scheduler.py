@@ -84,6 +84,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self._drafts_allowed = True
         self._chain_drafts_under_load = chain_drafts and self._gate is not None
         self._chain_drafts = False  # this turn: drafted steps are chained (busy slots past MAX_DRAFTING_SLOTS)
+        self._draft_turn = 0
         self._draft_cap = draft_cap(1)
         self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from specserve.engine.draft_gate import SURPLUS_RECOVERY
+from specserve.engine.draft_gate import DRAFT_ROWS, SURPLUS_RECOVERY
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.speculative.base import draft_chains
@@ -20,6 +20,7 @@ class SlotDrafts:
     n_ctx: int
     _drafts_allowed: bool
     _chain_drafts: bool
+    _draft_turn: int  # steps drafted for (the chained drafts' rotation)
     _draft_cap: int
 
     def _fail(self, slot: Slot, message: str) -> None: ...
@@ -30,8 +31,16 @@ class SlotDrafts:
         past the slot's last token, the fed one, which a draft's first token stands for). None: drafting raised
         and the slot's task has failed."""
         wanted = []
-        for slot, n_decoded, ahead in asks:
+        # Chained drafts share DRAFT_ROWS rows a step (with hundreds of slots a floor per slot would crowd out
+        # the prompt chunks); which slots get them rotates from step to step.
+        budget = DRAFT_ROWS if self._chain_drafts else None
+        self._draft_turn += 1
+        start = self._draft_turn % len(asks) if asks else 0
+        for slot, n_decoded, ahead in asks[start:] + asks[:start]:
             limit = self._draft_limit(slot, slot.cache, n_decoded, ahead)
+            if budget is not None and limit is not None:
+                limit = limit if limit - ahead <= budget else None
+                budget -= limit - ahead if limit is not None else 0
             if limit is not None and slot.chain is not None:
                 wanted.append((slot, (slot.chain, slot.cache, slot.last, limit, slot.task.spec.n_min + ahead)))
         drafts: dict[int, list[int] | None] = {slot.id: [] for slot, _, _ in asks}

@@ -23,9 +23,10 @@ def build_chain(params: SpecParams, draft_runner: DraftRunner | None = None, seq
     elif params.type == "ngram-cache":
         members.append(NgramCacheSpeculator(params))
     elif params.type == "ngram-suffix":
+        own = NgramSuffix(params)
         if shared is not None:
-            members.append(SharedSuffix(params, shared))
-        members.append(NgramSuffix(params))
+            members.append(SharedSuffix(params, shared, own))
+        members.append(own)
     if draft_runner is not None:
         members.append(DraftModelSpeculator(draft_runner, params.p_min, seq))
     return Chain(members) if members else None

@@ -109,14 +109,26 @@ class NgramSuffix(Speculator):
         super().__init__()
         self.size_m = params.ngram_size_m  # most tokens copied after a match
         self._index = SuffixIndex(min(params.ngram_size_n, LONGEST))  # longest suffix looked up
+        self._memo: tuple[int, int, tuple[int, int] | None] | None = None  # (history length, last, match)
 
     def begin(self, prompt: list[int]) -> None:
         self._index.reset()
+        self._memo = None
 
-    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
+    def match(self, history: list[int], last_sampled: int) -> tuple[int, int] | None:
+        """(k, end) of the history's longest earlier run ending in last_sampled (SuffixIndex.longest_match),
+        kept for the same call again (shared_suffix.py compares its match with it first)."""
+        memo = self._memo
+        if memo is not None and memo[0] == len(history) and memo[1] == last_sampled:
+            return memo[2]
         if self._index.unindexed(history) > TAIL:  # a prompt, or prepare() was not called
             self._index.update(history)
-        match = self._index.longest_match(history, last_sampled)
+        found = self._index.longest_match(history, last_sampled)
+        self._memo = (len(history), last_sampled, found)
+        return found
+
+    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
+        match = self.match(history, last_sampled)
         if match is None:
             return []
         k, end = match

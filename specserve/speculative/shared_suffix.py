@@ -10,7 +10,8 @@ Each scope indexes the k-grams of its requests for a few key lengths (the latest
 finds the longest earlier occurrence of the slot's suffix among KEY_LENGTHS and its match is then extended
 backwards token by token. New requests are indexed a slice at a time from `begin` and `prepare` (which runs
 while the device works), not at the end of a request. In ngram-suffix's chain this type comes first and drafts
-only on a match of 8 tokens or more; the slot's own history (ngram_suffix.py) drafts otherwise.
+only on a match of 8 tokens or more that is longer than the slot's own history's (ngram_suffix.py), which drafts
+otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from specserve.speculative.base import SpecParams, Speculator
-from specserve.speculative.ngram_suffix import DRAFT_BEYOND_MATCH, LONGEST
+from specserve.speculative.ngram_suffix import DRAFT_BEYOND_MATCH, LONGEST, NgramSuffix
 
 KEY_LENGTHS = (32, 16, 8)  # longest first: a match of 8+ tokens in another request beats one's own shorter ones
 INDEX_SLICE = 1024  # tokens indexed per prepare() call
@@ -99,7 +100,8 @@ class SuffixStore:
         length) in the scope's requests, the request holding it and where the run ends there; None if none."""
         with self._lock:
             s = self._scopes.get(scope)
-            if s is None:
+            shortest = KEY_LENGTHS[-1]  # a longer run ends with a shorter one: no hit there, none at all
+            if s is None or len(context) < shortest or hash((shortest, *context[-shortest:])) not in s.latest:
                 return None
             for k in KEY_LENGTHS:
                 if len(context) < k:
@@ -130,11 +132,13 @@ class SharedSuffix(Speculator):
 
     name = "shared_suffix"
 
-    def __init__(self, params: SpecParams, store: SuffixStore):
+    def __init__(self, params: SpecParams, store: SuffixStore, own: NgramSuffix | None = None):
+        """own: the sequence's own-history drafter after it in the chain; a match there at least as long wins."""
         super().__init__()
         self.size_m = params.ngram_size_m
         self.scope = params.scope
         self.store = store
+        self.own = own
         self._history: list[int] = []
 
     def begin(self, prompt: list[int]) -> None:
@@ -151,6 +155,9 @@ class SharedSuffix(Speculator):
         if match is None:
             return []
         k, tokens, end = match
+        own = self.own.match(history, last_sampled) if self.own is not None else None
+        if own is not None and own[0] >= k:
+            return []
         n = min(n_max, self.size_m, k + DRAFT_BEYOND_MATCH)
         return tokens[end + 1:end + 1 + n]
 
