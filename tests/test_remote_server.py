@@ -33,7 +33,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         env = {"LLAMA_ARG_N_PARALLEL": str(test_server.N_SLOTS),
                "LLAMA_ARG_CTX_SIZE": str(test_server.CTX),
                "LLAMA_API_KEY": test_server.API_KEY, "LLAMA_ARG_DRAFT_P_MIN": "0.5"}
-        srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--remote", address, env=env,
+        srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--metrics", "--remote", address, env=env,
                             api_key=test_server.API_KEY)
         try:
             yield srv.wait_ready()
