@@ -42,8 +42,9 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Failure, Result, Task
 from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.moe_experts import NormMoeAdd, QuantExperts
+from specserve.kernels.moe_experts import NormMoeAdd
 from specserve.kernels.moe_routing import FUSED_N_EXPERT, NORM_CLAMP, route, route_ref
+from specserve.kernels.quant_experts import QuantExperts
 from specserve.model.batch import Batch
 from specserve.model.moe import MoeConfig
 from specserve.model.random_init import random_weights

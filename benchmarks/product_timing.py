@@ -13,7 +13,7 @@ from random_model import DEV, graph_us
 from specserve.kernels import quant_cuda
 from specserve.kernels.activation import silu_mul
 from specserve.kernels.cuda import block_shapes, build
-from specserve.kernels.linear import QuantWeight
+from specserve.kernels.quant_weight import QuantWeight
 
 MATRICES = {"wqkv": (2048, 1536, False, 4, 32), "wqkv_mixed": (2048, 1536, False, 8, 16),
             "wo": (1536, 1536, False, 4, 32), "gate_up": (17920, 1536, False, 4, 32),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.local_runner import LocalRunner
-from specserve.kernels.linear import QuantWeight
+from specserve.kernels.quant_weight import QuantWeight
 from specserve.model.batch import Batch
 from specserve.model.random_init import SHAPES, random_weights
 from specserve.model.weights import ModelWeights

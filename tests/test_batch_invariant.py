@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import batch_invariant
-from specserve.kernels.linear import linear, quantize_q8
+from specserve.kernels.linear import linear
+from specserve.kernels.quant_weight import quantize_q8
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the mode changes CUDA kernels only")
 

@@ -66,7 +66,7 @@ def test_every_kernel_source_takes_its_parameters() -> None:
 def test_rmsnorm_folds_in_only_where_sixteen_rows_stage_whole() -> None:
     """RMSNorm needs whole rows staged: norm_fusable says yes only where one chunk of 16 rows, with
     both arrays of per-group sums beside it, fits the shared memory the kernel asks for."""
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
 
     def weight(n: int, k: int) -> QuantWeight:
         return QuantWeight(torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 32, 2), 4, 32)
@@ -128,7 +128,7 @@ def test_sources_ship_as_package_data() -> None:
 def test_launched_variants_fill_every_placeholder(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every key a product asks for (both kernels, each fusion, 1..16 rows, with and without clusters)
     gives a source with no placeholder left; the launches are recorded, not run."""
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
     from specserve.kernels.rope import RopeWrite
 
     keys: list[tuple] = []
@@ -191,7 +191,7 @@ def recorded_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 def q4_weight(n: int, k: int) -> object:
     """An [n, k] Q4 weight of zeros (expanded views: no memory), for recorded launches."""
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
 
     words, scales = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, 2)
     return QuantWeight(words.expand(n, k // 8), scales.expand(n, k // 32, 2), 4, 32, 15)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import batch_invariant
-from specserve.kernels.linear import DENSE_MIN_ROWS, MAX_GEMV_ROWS, dense_copy, dequantize, linear, quantize_q8
+from specserve.kernels.linear import DENSE_MIN_ROWS, dense_copy, dequantize, linear
+from specserve.kernels.quant_weight import MAX_GEMV_ROWS, quantize_q8
 from specserve.model.random_init import SHAPES, random_weights
 from specserve.model.weights import MATRICES, add_dense_copies, quantize_weights
 

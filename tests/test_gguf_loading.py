@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.model.config import ModelConfig
+from specserve.model.registry import read_config
 from tests.gguf_blocks import K_QUANTS, raw_blocks
 
 ROWS, COLS = 6, 512
@@ -101,12 +101,12 @@ def test_missing_tensor_is_named(typed_file) -> None:
 
 def test_unsupported_architecture() -> None:
     with pytest.raises(SpecserveError, match="unsupported model architecture 'gpt2'"):
-        ModelConfig.from_gguf({"general.architecture": "gpt2"}, set())
+        read_config({"general.architecture": "gpt2"}, set())
 
 
 def test_missing_metadata_is_named() -> None:
     with pytest.raises(SpecserveError, match="llama.embedding_length"):
-        ModelConfig.from_gguf({"general.architecture": "llama"}, set())
+        read_config({"general.architecture": "llama"}, set())
 
 
 def test_metadata_and_tensors_are_ggufs_own(smollm_path: Path) -> None:

@@ -131,7 +131,7 @@ def test_silu_mul(rows: int, cols: int) -> None:
 
 def test_quantize_q8_round_trip() -> None:
     from specserve.kernels import linear_triton
-    from specserve.kernels.linear import dequantize_ref, quantize_q8, unpack
+    from specserve.kernels.quant_weight import dequantize_ref, quantize_q8, unpack
 
     # values that are exactly Q8_0 (int8 times an fp16 scale per 32) come back exactly
     q = torch.randint(-127, 128, (48, 320), dtype=torch.int8)
@@ -151,7 +151,7 @@ def test_quantize_q8_round_trip() -> None:
 def random_quant(n: int, k: int, group: int, with_min: bool):
     """A QuantWeight shaped like a GGUF K-quant: Q4_K-like 4-bit ints with mins, or Q6_K-like signed
     6-bit ints (8 bits packed), fp32 scales (and mins) per group."""
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
 
     low, high = (0, 16) if with_min else (-32, 32)
     q = torch.randint(low, high, (n, k), dtype=torch.int8, device=DEVICE)
@@ -163,7 +163,7 @@ def random_quant(n: int, k: int, group: int, with_min: bool):
 @pytest.mark.parametrize("group,with_min", [(32, True), (16, False)])
 def test_dequantize_groups(group: int, with_min: bool) -> None:
     from specserve.kernels import linear_triton
-    from specserve.kernels.linear import dequantize_ref
+    from specserve.kernels.quant_weight import dequantize_ref
 
     qw = random_quant(70, 256, group, with_min)
     # the GPU may fuse q * scale - min into one FMA (one rounding fewer than torch's two)
@@ -179,7 +179,8 @@ def test_dequantize_groups(group: int, with_min: bool) -> None:
 ])
 def test_gemv(rows: int, fmt: str, n_out: int, k: int, bias: bool, silu_input: bool, out_fp32: bool) -> None:
     from specserve.kernels import linear_triton
-    from specserve.kernels.linear import linear_ref, quantize_q8
+    from specserve.kernels.linear import linear_ref
+    from specserve.kernels.quant_weight import quantize_q8
 
     x = torch.randn(rows, 2 * k if silu_input else k, device=DEVICE).to(DTYPE)
     w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
@@ -215,7 +216,8 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
     """The CUDA C kernels vs the torch reference for 1..16 rows, and each row of a multi-row call
     bit for bit equal to a one-row call (verify steps compute what decode steps compute)."""
     from specserve.kernels import quant_cuda
-    from specserve.kernels.linear import QuantWeight, linear_ref, quantize_q8
+    from specserve.kernels.linear import linear_ref
+    from specserve.kernels.quant_weight import QuantWeight, quantize_q8
 
     w = (torch.randn(n_out, k, device=DEVICE) * k ** -0.5).to(DTYPE)
     if fmt == "k4g16":  # 4-bit integers in groups of 16 (two words per group: CUDA cores only)
@@ -244,7 +246,8 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 def test_quantized_verify_rows_compute_what_decode_computes() -> None:
     """Up to MAX_SLICED_ROWS rows (long verify steps) go through the same kernel as one row, in slices."""
-    from specserve.kernels.linear import MAX_SLICED_ROWS, linear
+    from specserve.kernels.linear import linear
+    from specserve.kernels.quant_weight import MAX_SLICED_ROWS
 
     qw = random_quant(300, 1536, 32, True)
     x = torch.randn(MAX_SLICED_ROWS, 1536, device=DEVICE).to(DTYPE)
@@ -444,7 +447,7 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""
     import dataclasses
 
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
     from specserve.model.random_init import SHAPES, random_weights
     from specserve.model.transformer import Transformer
     from specserve.model.weights import quantize_weights

@@ -11,9 +11,8 @@ from gguf import GGUFWriter
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.model.config import ModelConfig
 from specserve.model.kv_cache import PagedKV
-from specserve.model.registry import FAMILIES, family
+from specserve.model.registry import FAMILIES, family, read_config
 from specserve.model.transformer import Transformer
 from specserve.model.weights import load_weights
 
@@ -73,7 +72,7 @@ def test_registry_lists_the_families() -> None:
 def test_unknown_architecture_is_refused_by_name() -> None:
     message = "unsupported model architecture 'gpt2' (supported: llama, qwen2, qwen3, qwen2moe, qwen3moe)"
     with pytest.raises(SpecserveError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ModelConfig.from_gguf({"general.architecture": "gpt2"}, set())
+        read_config({"general.architecture": "gpt2"}, set())
     with pytest.raises(SpecserveError, match="unsupported model architecture 'None'"):
         family(None)
 
@@ -83,7 +82,7 @@ def test_family_reads_its_config_and_runs(arch: str, tmp_path: Path) -> None:
     path = tmp_path / f"{arch}.gguf"
     write_model(path, arch)
     gguf = GGUFFile(path)
-    cfg = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+    cfg = read_config(gguf.metadata, set(gguf.tensor_names()))
     rope_style, bias, qk_norm = FEATURES[arch]
     assert (cfg.arch, cfg.rope_style, cfg.qkv_bias, cfg.qk_norm) == (arch, rope_style, bias, qk_norm)
     assert (cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab_size) == (

@@ -25,8 +25,9 @@ from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.kernels.dispatch import HAVE_TRITON
-from specserve.kernels.linear import QuantWeight, dequantize_ref
-from specserve.kernels.moe_experts import QuantExperts, experts_stay_packed, moe_experts, moe_experts_ref
+from specserve.kernels.moe_experts import experts_stay_packed, moe_experts, moe_experts_ref
+from specserve.kernels.quant_experts import QuantExperts
+from specserve.kernels.quant_weight import QuantWeight, dequantize_ref
 from specserve.model.batch import Batch
 from tests.moe_gguf import hf_model, quantize_gguf, write_gguf
 

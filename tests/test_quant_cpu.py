@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specserve.kernels import quant_cpu
-from specserve.kernels.linear import QuantWeight, dequantize_ref, linear, quantize_q8
+from specserve.kernels.linear import linear
+from specserve.kernels.quant_weight import QuantWeight, dequantize_ref, quantize_q8
 
 pytestmark = pytest.mark.skipif(not quant_cpu.kernel_built(), reason="needs a C compiler and AVX2 (+FMA, F16C) or "
                                 "AVX-512 VNNI (the product dequantizes instead)")

@@ -16,7 +16,8 @@ from gguf.quants import dequantize
 
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.repack import REPACKABLE, dequantize_blocks, repack
-from specserve.kernels.linear import QuantWeight, concat_quant, dequantize_ref, linear_ref, pack, unpack
+from specserve.kernels.linear import linear_ref
+from specserve.kernels.quant_weight import QuantWeight, concat_quant, dequantize_ref, pack, unpack
 from specserve.model.batch import Batch
 from tests.gguf_blocks import raw_blocks
 

@@ -15,12 +15,13 @@ from specserve.engine.host_copy import LaunchedStep
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.linear import MAX_GEMV_ROWS
+from specserve.kernels.quant_weight import MAX_GEMV_ROWS
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
 from specserve.model.kv_blocks import BLOCK_SIZE
 from specserve.model.kv_cache import PagedKV
 from specserve.model.kv_ledger import KVLedger
+from specserve.model.registry import read_config
 from specserve.model.transformer import Transformer
 from specserve.model.weights import (
     ModelWeights,
@@ -106,7 +107,7 @@ class LocalRunner:
         in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA).
         mmap=False reads the file's tensors into memory first (llama-server's --no-mmap)."""
         gguf = GGUFFile(model_path, mmap=mmap)
-        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+        config = read_config(gguf.metadata, set(gguf.tensor_names()))
         dev = checked_device(device)
         dt = dtype or default_dtype(dev)
         self.weight_format = resolve_weight_format(weight_format, dev)

@@ -33,6 +33,7 @@ from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
+from specserve.model.registry import read_config
 from specserve.model.tp_layout import ShardLayout, check_tensor_parallel, load_shard
 from specserve.model.tp_transformer import ShardedTransformer
 from specserve.model.transformer import Transformer
@@ -50,7 +51,7 @@ class ShardRunner(LocalRunner):
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
                  progress: bool = False, kv_size: int | None = None):
-        config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+        config = read_config(gguf.metadata, set(gguf.tensor_names()))
         self.layout = ShardLayout.plan(config, group.rank, group.world)
         self.group = group
         self.weight_format = "float"
@@ -165,7 +166,7 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
                              f"not {weight_format}")
     dev = checked_device(device)
     gguf = GGUFFile(model_path)
-    config = ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names()))
+    config = read_config(gguf.metadata, set(gguf.tensor_names()))
     check_tensor_parallel(config, world, set(gguf.tensor_names()))
     dt = dtype or default_dtype(dev)
     ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))

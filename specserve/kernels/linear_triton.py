@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.linear import QuantWeight
+from specserve.kernels.quant_weight import QuantWeight
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -74,7 +74,7 @@ def _k_step(w_ptr, sm_ptr, rows, r_mask, k0, K: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
-def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+def row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                   SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One activation row at x_ptr ([K], or [gate | up] of 2K with SILU_IN) times the packed weight rows
     `rows` (int64 [BLOCK_N], rows of the stacked matrix) -> fp32 [BLOCK_N]. Per group:
@@ -101,17 +101,17 @@ def _row_products(x_ptr, w_ptr, sm_ptr, rows, r_mask, K: tl.constexpr, BITS: tl.
 def _gemv_quant_row_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BITS: tl.constexpr,
                            G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
-    """One row on CUDA cores (`_row_products`)."""
+    """One row on CUDA cores (`row_products`)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    y = _row_products(x_ptr, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS, G, SILU_IN, BLOCK_N, BLOCK_K)
+    y = row_products(x_ptr, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS, G, SILU_IN, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.constexpr, BITS: tl.constexpr,
+def tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.constexpr, BITS: tl.constexpr,
                    G: tl.constexpr, SILU_IN: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """BM activation rows (starting at x_ptr + x_offs, int64 [BM]) times the packed weight rows `rows`
@@ -137,12 +137,12 @@ def _tile_products(x_ptr, x_offs, m_mask, w_ptr, sm_ptr, rows, n_mask, K: tl.con
 def _gemv_quant_dot_kernel(x_ptr, w_ptr, sm_ptr, b_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
                            BITS: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_IN: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1..16 rows on tensor cores (rows padded to 16, `_tile_products`)."""
+    """1..16 rows on tensor cores (rows padded to 16, `tile_products`)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     m = tl.arange(0, 16)
     m_mask = m < M
-    acc = _tile_products(x_ptr, m.to(tl.int64) * stride_xm, m_mask, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS,
+    acc = tile_products(x_ptr, m.to(tl.int64) * stride_xm, m_mask, w_ptr, sm_ptr, n.to(tl.int64), n_mask, K, BITS,
                          G, SILU_IN, 16, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

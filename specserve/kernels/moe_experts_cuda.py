@@ -16,8 +16,8 @@ import os
 import torch
 
 from specserve.kernels import quant_cuda
-from specserve.kernels.linear import QuantWeight
 from specserve.kernels.moe_experts_triton import slot_sum
+from specserve.kernels.quant_weight import QuantWeight
 
 # Every pair reads its expert's rows on its own: past this many tokens the same experts are read over and over
 # (16 tokens: 128 pairs), and the Triton paths (grouped by expert past MAX_PAIR_TOKENS) take over.

@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.linear import MAX_SLICED_ROWS
-from specserve.kernels.linear_triton import INTERPRET, _row_products, _tile_products
+from specserve.kernels.linear_triton import INTERPRET, row_products, tile_products
+from specserve.kernels.quant_weight import MAX_SLICED_ROWS
 
 if TYPE_CHECKING:
-    from specserve.kernels.moe_experts import QuantExperts
+    from specserve.kernels.quant_experts import QuantExperts
 
 # Up to this many tokens each pair runs on its own (the decode kernels), as the dense path's packed
 # products run up to this many rows through the decode-size kernels; more take the grouped GEMM.
@@ -42,7 +42,7 @@ def _pairs_gate_up_kernel(x_ptr, ids_ptr, w_ptr, sm_ptr, out_ptr, N, stride_x, K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    y = _row_products(x_ptr + (pair // N_SLOTS) * stride_x, w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G,
+    y = row_products(x_ptr + (pair // N_SLOTS) * stride_x, w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G,
                       False, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + pair * N + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -58,7 +58,7 @@ def _pairs_down_kernel(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, N, K: t
     for slot in tl.static_range(N_SLOTS):  # unrolled: every slot's weight loads in flight at once
         pair = token * N_SLOTS + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        y = _row_products(act_ptr + pair * (2 * K), w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G, True,
+        y = row_products(act_ptr + pair * (2 * K), w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G, True,
                           BLOCK_N, BLOCK_K)
         # each expert's output rounded to the activation dtype first, as the reference's product is
         acc += tl.load(wt_ptr + pair) * y.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -96,7 +96,7 @@ def _grouped_kernel(x_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_
     n_mask = n < N
     acc = tl.zeros([BM, BLOCK_N], tl.float32)
     if expert >= 0:
-        acc = _tile_products(x_ptr, x_row * stride_x, m_mask, w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G,
+        acc = tile_products(x_ptr, x_row * stride_x, m_mask, w_ptr, sm_ptr, expert * N + n, n_mask, K, BITS, G,
                              SILU_IN, BM, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + pair[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])

@@ -33,7 +33,7 @@ import torch
 from specserve.kernels.cpu import build
 
 if TYPE_CHECKING:
-    from specserve.kernels.linear import QuantWeight
+    from specserve.kernels.quant_weight import QuantWeight
 
 MAX_ROWS = 16  # rows one kernel call takes (more run in slices)
 MAX_EXACT_ROWS = 64  # the most rows the exact kernel takes (the int8 one takes any)
@@ -125,7 +125,7 @@ def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The int8 kernel's arithmetic in torch (fp64 sums): per word, its integers times the rounded activations
     scaled by scale * dx, minus min times the rounded activations' sum (dx * sum of q); dx per word or, where the
     kernel runs grouped, per group. x [rows, K] -> [rows, N]."""
-    from specserve.kernels.linear import unpack
+    from specserve.kernels.quant_weight import unpack
 
     n, k = w.shape
     q, dx = quantize_activations_ref(x, w.bits, w.group, grouped(w.bits, w.group))

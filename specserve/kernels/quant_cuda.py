@@ -45,7 +45,7 @@ from functools import cache
 import torch
 
 from specserve.kernels.cuda import block_shapes, build
-from specserve.kernels.linear import MAX_GEMV_ROWS, QuantWeight
+from specserve.kernels.quant_weight import MAX_GEMV_ROWS, QuantWeight
 from specserve.kernels.rope import RopeWrite
 
 ROWS_PER_LAUNCH = MAX_GEMV_ROWS  # the kernels' largest M: more rows run as slices of this many

@@ -14,7 +14,8 @@ import torch
 
 from specserve.kernels import batch_invariant
 from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.linear import MAX_SLICED_ROWS, QuantWeight, Weight, dense_copy, linear
+from specserve.kernels.linear import dense_copy, linear
+from specserve.kernels.quant_weight import MAX_SLICED_ROWS, QuantWeight, Weight
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import RopeWrite, rope_and_cache
 

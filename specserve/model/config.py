@@ -42,13 +42,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-        """The config of the file's architecture family (its registry entry reads it)."""
-        from specserve.model.registry import family
-
-        return family(metadata.get("general.architecture")).read_config(metadata, tensor_names)
-
 
 def decoder_fields(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """ModelConfig's fields that every decoder family reads alike, all but rope_style, from the keys under

@@ -33,3 +33,8 @@ def family(arch: str | None) -> Family:
     if arch not in FAMILIES:
         raise SpecserveError(f"unsupported model architecture '{arch}' (supported: {', '.join(FAMILIES)})")
     return FAMILIES[arch]
+
+
+def read_config(metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """The config of a GGUF file's model, as its architecture's family reads it."""
+    return family(metadata.get("general.architecture")).read_config(metadata, tensor_names)

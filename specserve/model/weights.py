@@ -18,8 +18,10 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.linear import QuantWeight, Weight, concat_quant, dequantize, dequantize_ref, quantize_q8
-from specserve.kernels.moe_experts import ExpertMatrix, QuantExperts, experts_stay_packed
+from specserve.kernels.linear import dequantize
+from specserve.kernels.moe_experts import experts_stay_packed
+from specserve.kernels.quant_experts import ExpertMatrix, QuantExperts
+from specserve.kernels.quant_weight import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
 from specserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.reader import GGUFFile
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.model.config import ModelConfig
+from specserve.model.registry import read_config
 from specserve.server.chat_tokens import ControlTokens
 from specserve.server.chat_tools import ToolPlan, ToolStyle, plan_tools
 from specserve.server.errors import ContextSizeError
@@ -101,7 +101,7 @@ class ServerSettings:
         per_slot = DEFAULT_CTX
         if self.remote is None:
             gguf = GGUFFile(catalog.resolve(self.model))
-            per_slot = min(ModelConfig.from_gguf(gguf.metadata, set(gguf.tensor_names())).context_length,
+            per_slot = min(read_config(gguf.metadata, set(gguf.tensor_names())).context_length,
                            DEFAULT_CTX)
         return per_slot * self.n_parallel
 
