@@ -32,6 +32,7 @@ def test_accepted_flags_and_what_they_set(caplog: pytest.LogCaptureFixture) -> N
     assert settings().endpoint_metrics is False and settings("--metrics").endpoint_metrics
     assert settings("--draft-policy", "gated").chain_drafts is False and settings().chain_drafts
     assert settings("--spec-shared-tokens", "0").spec_shared_tokens == 0
+    assert settings("--context-shift").context_shift and not settings("--no-context-shift").context_shift
     assert settings("--tags", "a, b,,c").tags == ["a", "b", "c"]
     assert settings("-a", "x,y").alias == "x,y"
     assert settings("--chat-template", "chatml").chat_template == BUILTIN_TEMPLATES["chatml"]
@@ -76,7 +77,6 @@ def test_builtin_templates_render(name: str) -> None:
 
 
 @pytest.mark.parametrize(("flags", "env", "needle"), [
-    (["--context-shift"], {}, "--context-shift is not supported"),
     (["--chat-template", "no-such-template"], {}, "unknown chat template 'no-such-template'"),
     (["--chat-template", "{% if %}"], {}, "chat template syntax error"),
     (["--chat-template", "chatml", "--chat-template-file", "x"], {}, "not both"),

@@ -4,6 +4,7 @@ series and header, timings, /slots' shape, --no-slots, aliases and tags."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -15,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from specserve.server.app import create_app
+from specserve.server.engine import Engine
 from tests import app_engine
 
 REPEATING = "a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c d e f g h, a b c"
@@ -205,3 +208,23 @@ def test_verbose_answers_carry_the_native_body() -> None:
     assert native["content"] == answer["choices"][0]["message"]["content"] and len(native["tokens"]) == 3
     assert native["timings"]["predicted_n"] == 3
     assert "__verbose" not in app_engine.client().post("/v1/chat/completions", json=body).json()
+
+
+def test_context_shift_keeps_generating() -> None:
+    """With --context-shift a generation that fills its context drops the older half of its tokens after
+    n_keep, reads the rest again and goes on; without it the same request ends at the context, truncated."""
+    body = {"prompt": "Once upon a time", "n_predict": 3 * app_engine.CTX // 2, "ignore_eos": True,
+            "temperature": 0, "n_keep": -1}
+    settings = dataclasses.replace(app_engine.SETTINGS, context_shift=True)
+    engine = Engine.load(settings, progress=False)  # (the shared engine does not shift)
+    try:
+        shifting = TestClient(create_app(settings, engine=engine))
+        answer = shifting.post("/completion", json=body).json()
+        assert answer["tokens_predicted"] == body["n_predict"] and answer["stop_type"] == "limit"
+        assert not answer["truncated"] and answer["generation_settings"]["n_keep"] == -1
+        assert metrics(shifting)["llamacpp:context_shifts_total"] >= 1
+    finally:
+        engine.shutdown()
+    plain = app_engine.client().post("/completion", json=body).json()
+    assert plain["truncated"] and plain["tokens_predicted"] < body["n_predict"]
+    assert answer["content"].startswith(plain["content"][:64])  # the same text until the first shift

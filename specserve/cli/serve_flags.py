@@ -39,8 +39,8 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     _pair(g, ["-kvu", "--kv-unified"], ["-no-kvu", "--no-kv-unified"], "kv_unified", False,
           "accepted: the KV cache is always one pool of -c positions that every slot draws from")
     _pair(g, ["--context-shift"], ["--no-context-shift"], "context_shift", False,
-          "not supported: a generation that fills its slot ends (stop_type limit); --no-context-shift is "
-          "the default")
+          "a generation that fills its context drops the older half of its tokens after n_keep and goes on "
+          "(default off: it ends, stop_type limit)")
     _pair(g, ["--slots"], ["--no-slots"], "endpoint_slots", True, "GET /slots (default on; --no-slots: 501)")
     _pair(g, ["--webui"], ["--no-webui", "--no-ui"], "webui", True,
           "serve the chat page at / (default on; --no-webui: the API alone)")
@@ -63,15 +63,12 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
 
 def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
     """ServerSettings fields from these flags; SpecserveError for a value that cannot work."""
-    if args.context_shift:
-        raise SpecserveError("--context-shift is not supported: a generation that fills its slot's context ends "
-                             "(stop_type limit, truncated); give -n/n_predict or a larger -c instead")
     if args.spec_replace:
         log.warning("--spec-replace has no effect: the draft model must share the target's vocabulary, so no "
                     "text is translated between them")
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
     return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots,
-            "endpoint_metrics": args.endpoint_metrics, "webui": args.webui,
+            "endpoint_metrics": args.endpoint_metrics, "context_shift": args.context_shift, "webui": args.webui,
             "tags": tags,
             "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file),
             "reasoning_format": args.reasoning_format, "reasoning_budget": args.reasoning_budget}

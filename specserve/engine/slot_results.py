@@ -194,7 +194,10 @@ class SlotResults:
         if not stop_type and task.constraint is not None and task.constraint.done:
             stop_type = "eos"  # the grammar is complete: nothing but end-of-generation could follow
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
-        if context_full:
+        if context_full and task.context_shift:
+            self._shift_context(slot)
+            context_full = False
+        elif context_full:
             stop_type = "limit"
         probs = None
         if task.n_probs > 0 and rows is not None:
@@ -207,6 +210,21 @@ class SlotResults:
             self._post(slot.handle, Chunk(text, emitted, probs, timings))  # type: ignore[arg-type]
         if stop_type:
             self._finish(slot, stop_type, context_full)
+
+    def _shift_context(self, slot: Slot) -> None:
+        """The context is full: keep the first n_keep tokens and the newer half of the rest, and read them again
+        from position 0 (as a preempted slot does: RESUMING, kv_room.py), then generate on from `last`. llama.cpp
+        moves the kept keys instead of reading them again; the tokens kept are the same."""
+        task = slot.task
+        n_keep = len(task.prompt) if task.n_keep < 0 else task.n_keep
+        n_keep = min(n_keep, len(slot.cache) - 2)  # at least one token is discarded, one kept after n_keep
+        n_discard = max(1, (len(slot.cache) - n_keep) // 2)
+        kept = slot.cache[:n_keep] + slot.cache[n_keep + n_discard:]
+        self.runner.kv_truncate(slot.id, 0)
+        slot.cache, slot.replay, slot.n_planned = [], kept, 0
+        slot.state = SlotState.RESUMING
+        with self._cond:
+            self.counters.context_shifts += 1
 
     @staticmethod
     def _probs(rows: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenProb]:

@@ -121,6 +121,7 @@ class SchedulerCounters:
     kv_tokens: int = 0  # KV pool positions in use (whole blocks), idle slots' prompt caches too (counters_snapshot)
     kv_capacity: int = 0  # positions of the pool
     kv_preemptions: int = 0  # running slots that gave back their KV for others (engine/kv_room.py)
+    context_shifts: int = 0  # generations that filled their context and dropped old tokens (--context-shift)
     requests_done: int = 0
     requests_failed: int = 0
     prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache (not in prompt_tokens)

@@ -42,6 +42,10 @@ class Task:
     # its parser reads (server/chat_tools.py)
     keep_special: frozenset[int] = frozenset()
     return_progress: bool = False  # Progress events while the prompt is read (llama-server's return_progress)
+    # A generation that fills the context drops the oldest half of its tokens after the first n_keep (-1: the
+    # prompt's) and goes on (llama-server's --context-shift); False: it ends there (stop_type limit, truncated)
+    context_shift: bool = False
+    n_keep: int = 0
     timings_per_token: bool = False  # every Chunk carries the timings so far
     id: int = field(default_factory=lambda: next(_task_ids))
 
@@ -55,6 +59,7 @@ class Task:
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
             "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
             "timings_per_token": self.timings_per_token, "return_progress": self.return_progress,
+            "n_keep": self.n_keep,
             "grammar": self.constraint.source.text if self.constraint is not None else "",
             "logit_bias": self.logit_bias.to_json() if self.logit_bias is not None else [],
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,

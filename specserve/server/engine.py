@@ -70,6 +70,7 @@ class ServerSettings:
     mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
+    context_shift: bool = False  # --context-shift: a generation that fills its context drops old tokens, goes on
     verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
     webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
@@ -290,8 +291,10 @@ class Engine:
                 raise ContextSizeError(len(prompt), self.n_ctx)
             limit = s.n_predict if n_predict is None else n_predict
             # At most the tokens that fit the slot (the last generated one needs no room of its own), so
-            # the limit shown in /slots and generation_settings is one the request can reach.
-            limit = min(limit, self.n_ctx - len(prompt) + 1)
+            # the limit shown in /slots and generation_settings is one the request can reach (a context shift
+            # makes room as it goes).
+            if not s.context_shift:
+                limit = min(limit, self.n_ctx - len(prompt) + 1)
             for choice in range(n_choices):
                 # Compiled here, in the request's worker thread (never on the event loop or the scheduler's
                 # thread); each task gets a matcher of its own.
@@ -301,7 +304,8 @@ class Engine:
                                   cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
                                   constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
                                   prediction=prediction or None, return_progress=fields.return_progress,
-                                  timings_per_token=fields.timings_per_token))
+                                  timings_per_token=fields.timings_per_token, context_shift=s.context_shift,
+                                  n_keep=fields.n_keep))
         return tasks
 
     @staticmethod

@@ -98,7 +98,7 @@ class Format:
 
     def _truncated(self, result: Result) -> bool:
         """Stopped for want of context: also when n_predict was capped to exactly what fit (engine.make_task)."""
-        return result.context_full or (result.stop_type == "limit"
+        return result.context_full or (result.stop_type == "limit" and not self.task.context_shift
                                        and result.n_prompt + result.n_predicted > self.engine.n_ctx)
 
 

@@ -86,6 +86,8 @@ class SchedulerCollector(Collector):
         yield accepted
         yield counter("kv_preemptions", "Running requests that gave back their KV for others and read their tokens "
                       "again later (a full pool: engine/kv_room.py).", c.kv_preemptions)
+        yield counter("context_shifts", "Generations that filled their context and went on without their oldest "
+                      "tokens (--context-shift).", c.context_shifts)
 
 
 def make_registry(counters: Callable[[], SchedulerCounters | None]) -> CollectorRegistry:

@@ -14,7 +14,7 @@ LLAMA_ONLY_FIELDS: dict[str, Any] = {
     "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
     "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
     "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0,
-    "mirostat_tau": 5.0, "mirostat_eta": 0.1, "n_keep": 0, "n_discard": 0, "logit_bias": [], "min_keep": 0,
+    "mirostat_tau": 5.0, "mirostat_eta": 0.1, "n_discard": 0, "logit_bias": [], "min_keep": 0,
     "grammar_lazy": False, "grammar_triggers": [], "preserved_tokens": [], "chat_format": "Content-only",
     "reasoning_format": "none", "reasoning_in_content": False, "thinking_forced_open": False,
     "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],  # our chain (engine/sampling.py)

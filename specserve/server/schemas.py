@@ -98,6 +98,7 @@ class GenerationFields(_Strict):
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     stop: str | list[str] | None = None
     cache_prompt: bool = True
+    n_keep: int = Field(0, ge=-1)  # with --context-shift: tokens kept from the start when the context fills
     return_progress: bool = False  # streams: prompt_progress while the prompt is read (llama-server's)
     timings_per_token: bool = False  # streams: every chunk carries the timings so far (llama-server's)
     ignore_eos: bool = False  # generate past end-of-generation tokens
