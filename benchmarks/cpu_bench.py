@@ -40,6 +40,7 @@ from specserve import catalog, foreign_env
 from specserve.cli.measure import bench_decode, bench_prefill
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
 
 LLAMA_VENV = catalog.cache_dir() / "llamacpp-venv" / "bin" / "python"
 
@@ -104,9 +105,11 @@ def main() -> None:
     for _ in range(args.rounds):  # interleaved: a busy spell of the machine falls on both sides
         for name, runner in runners.items():
             os.environ["SPECSERVE_CPU_EXACT"] = "1" if name.endswith("-exact") else "0"  # read per product
+            kernel_settings.reload()
             pp = bench_prefill(runner, args.n_prompt, reps=args.reps)
             rates[name].append((pp, max(bench_decode(runner, tok, args.n_gen) for _ in range(args.reps))))
         os.environ.pop("SPECSERVE_CPU_EXACT", None)
+        kernel_settings.reload()
         if args.llama_bench.exists():
             try:
                 ref = {**llama_bench(args.llama_bench, path, n_prompt=args.n_prompt, n_gen=args.n_gen,

@@ -28,6 +28,7 @@ from specserve.cli.workloads import load_workloads, workload_prompts
 from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
 from specserve.model.batch import Batch
 
 EXACT_SUFFIX = "-exact"
@@ -50,10 +51,12 @@ def weight_format(name: str) -> Iterator[str]:
     exact = name.endswith(EXACT_SUFFIX)
     old = os.environ.get("SPECSERVE_CPU_EXACT")
     os.environ["SPECSERVE_CPU_EXACT"] = "1" if exact else "0"
+    kernel_settings.reload()
     try:
         yield name.removesuffix(EXACT_SUFFIX)
     finally:
         os.environ.pop("SPECSERVE_CPU_EXACT") if old is None else os.environ.update(SPECSERVE_CPU_EXACT=old)
+        kernel_settings.reload()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -23,6 +23,7 @@ from specserve import catalog
 from specserve.cli.workloads import load_workloads, workload_prompts
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
 from specserve.model.batch import Batch
 
 PROMPT_CHUNK = 512  # prompt rows a forward, as the server's default batch size
@@ -76,6 +77,7 @@ def main() -> None:
         runs = {}
         for name, runner in setups.items():
             os.environ["SPECSERVE_NO_TRITON"] = "1" if name == "torch-eager" else "0"
+            kernel_settings.reload()
             greedy_with_logits(runner, prompt, 4)  # warm-up (graph capture, compiles)
             runs[name] = greedy_with_logits(runner, prompt, args.n)
         ref_tokens, ref_logits, _ = runs["torch-eager"]

@@ -46,6 +46,7 @@ from random_model import (
 from specserve.cli.measure import bench_decode, bench_prefill, copy_bandwidth
 from specserve.engine.local_runner import LocalRunner
 from specserve.kernels import quant_cuda
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.cuda import block_shapes
 from specserve.kernels.rope import RopeWrite, rope_cos_sin
 from specserve.model.batch import Batch
@@ -60,6 +61,7 @@ def section_model() -> None:
         os.environ["SPECSERVE_TRITON_GEMV"] = triton_gemv  # read at capture: graphs keep the choice
         os.environ["SPECSERVE_QUANT_KERNEL"] = quant_kernel
         os.environ["SPECSERVE_PDL"] = pdl
+        kernel_settings.reload()
         runner = make_runner(fmt)
         t0 = time.perf_counter()
         runner.warmup(17)
@@ -114,9 +116,11 @@ def section_logits() -> None:
         runner = make_runner(fmt)
         fast = greedy_logits(runner, None)
         os.environ["SPECSERVE_NO_TRITON"] = "1"
+        kernel_settings.reload()
         runner.graphs = None  # eager torch references from here
         ref = greedy_logits(runner, fast[1])
         os.environ.pop("SPECSERVE_NO_TRITON")
+        kernel_settings.reload()
         errs = [rel(a, b) for a, b in zip(fast[0], ref[0], strict=True)]
         agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(fast[0], ref[0], strict=True))
         res[f"{fmt}_kernels_vs_torch"] = {"max_rel_err": round(max(errs), 5), "argmax_agree": f"{agree}/{len(errs)}"}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.local_runner import LocalRunner
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.quant_weight import QuantWeight
 from specserve.model.batch import Batch
 from specserve.model.random_init import SHAPES, random_weights
@@ -111,6 +112,7 @@ def step_gpu_us(runner: LocalRunner, rows: tuple[int, ...] = STEP_ROWS, base: in
 def gguf_model_step_us(rows: tuple[int, ...] = STEP_ROWS) -> dict[int, float]:
     """GPU us per graph replay of the model (random weights in the Q4_K_M layout, tensor-core kernel) per row count."""
     os.environ["SPECSERVE_QUANT_KERNEL"] = "mma"
+    kernel_settings.reload()
     runner = make_runner("gguf_like")
     runner.warmup(17, prompt_rows=0)
     return {r: round(us, 1) for r, us in step_gpu_us(runner, rows).items()}

@@ -14,6 +14,16 @@ import torch  # noqa: E402
 from specserve import catalog  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _kernel_settings_follow_the_environment():
+    """A test that sets a kernel switch reloads the settings (kernels/settings.py); once monkeypatch has put the
+    environment back, they are read again for the next test."""
+    yield
+    from specserve.kernels import settings
+
+    settings.reload()
+
+
 def model_path(name: str) -> Path:
     return catalog.pull(name)
 

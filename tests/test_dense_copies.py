@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import batch_invariant
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.linear import DENSE_MIN_ROWS, dense_copy, dequantize, linear
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS, quantize_q8
 from specserve.model.random_init import SHAPES, random_weights
@@ -99,11 +100,13 @@ def test_cuda_runner_with_copies_computes_what_it_did_without() -> None:
     runners = []
     for copies in ("1", "0"):
         os.environ["SPECSERVE_DENSE_COPIES"] = copies
+        kernel_settings.reload()
         try:
             runners.append(LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, "cuda", seed=6),
                                                     n_seqs=24, n_ctx=256, weight_format="q8"))
         finally:
             os.environ.pop("SPECSERVE_DENSE_COPIES")
+            kernel_settings.reload()
     assert runners[0].weights.layers[0].wqkv.dense is not None and runners[1].weights.layers[0].wqkv.dense is None
     one, many = [], []
     for runner in runners:

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.dispatch import HAVE_TRITON
 from specserve.model.kv_cache import PagedKV
 from tests.paged import dense_attention, paged_cache
@@ -423,6 +424,8 @@ def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pyt
     from specserve.kernels.step_ops import feed_forward, linear_fused
 
     monkeypatch.setenv("SPECSERVE_PDL", "1")
+
+    kernel_settings.reload()
     if not build.pdl_enabled(torch.cuda.current_device()):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     k = 1536
@@ -433,6 +436,7 @@ def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pyt
     results = {}
     for pdl in ("1", "0"):
         monkeypatch.setenv("SPECSERVE_PDL", pdl)
+        kernel_settings.reload()
         residual = x.clone()
         for _ in range(6):
             h = linear_fused(residual, w_in, norm=norm)
@@ -461,6 +465,7 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
     outs: dict[str, list[torch.Tensor]] = {}
     for mode in ("triton", "torch"):
         monkeypatch.setenv("SPECSERVE_NO_TRITON", "1" if mode == "torch" else "0")
+        kernel_settings.reload()
         kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=4, n_seqs=1, n_ctx=64, block_size=16,
                      dtype=DTYPE, device=torch.device(DEVICE))
         outs[mode] = []

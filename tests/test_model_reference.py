@@ -11,6 +11,7 @@ from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
 from tests.conftest import load_hf_model, model_path
 from tests.helpers import prefill
 
@@ -28,6 +29,7 @@ def exact_cpu_products(monkeypatch: pytest.MonkeyPatch) -> None:
     product); tests/test_quant_cpu.py bounds them and docs/perf.md (how far the int8 products move the model)
     gives their greedy agreement."""
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    kernel_settings.reload()
 
 
 def rel_max_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType
 from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.dispatch import HAVE_TRITON
 from specserve.kernels.moe_experts import experts_stay_packed, moe_experts, moe_experts_ref
 from specserve.kernels.quant_experts import QuantExperts
@@ -94,7 +95,9 @@ def test_without_triton_packed_experts_run_each_chosen_expert(monkeypatch: pytes
     """Without Triton, packed experts run expert by expert: on the CPU on its packed-weight kernels (the exact
     fp32 one here, SPECSERVE_CPU_EXACT=1), elsewhere dequantized per call: the reference's result either way."""
     monkeypatch.setenv("SPECSERVE_NO_TRITON", "1")
+    kernel_settings.reload()
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    kernel_settings.reload()
     x, ids, weights, gate_up, down = case(5, 2, 8, ("q4k", "q8"), seed=1)
     torch.testing.assert_close(moe_experts(x, ids, weights, gate_up, down), reference(x, ids, weights, gate_up, down),
                                rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specserve.kernels import quant_cpu
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.linear import linear
 from specserve.kernels.quant_weight import QuantWeight, dequantize_ref, quantize_q8
 
@@ -93,6 +94,7 @@ def test_linear_takes_int8_by_default_exact_on_request(monkeypatch: pytest.Monke
     assert kernels == [default] * (2 if default == "int8" else 1)
     kernels.clear()
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    kernel_settings.reload()
     for rows in (3, 100):  # exact: the kernel up to 64 rows, above that torch's GEMM on the dequantized matrix
         x = torch.randn(rows, 256)
         assert _rel(linear(x, w, bias), x @ dequantize_ref(w, torch.float32).t() + bias) < 1e-5

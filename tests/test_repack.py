@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.repack import REPACKABLE, dequantize_blocks, repack
+from specserve.kernels import settings as kernel_settings
 from specserve.kernels.linear import linear_ref
 from specserve.kernels.quant_weight import QuantWeight, concat_quant, dequantize_ref, pack, unpack
 from specserve.model.batch import Batch
@@ -89,6 +90,7 @@ def test_gguf_format_matches_float(smollm_path: Path, monkeypatch: pytest.Monkey
     same logits up to fp32 rounding, through the exact products on the CPU (the int8 ones round the
     activations: tests/test_quant_cpu.py)."""
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    kernel_settings.reload()
     quant = LocalRunner(smollm_path, n_ctx=64, device="cpu", progress=False, weight_format="gguf")
     plain = LocalRunner(smollm_path, n_ctx=64, device="cpu", progress=False, weight_format="float")
     assert quant.weight_format == "gguf" and isinstance(quant.weights.layers[0].w_gate_up, QuantWeight)

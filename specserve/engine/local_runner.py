@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS
+from specserve.kernels.settings import settings
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
 from specserve.model.kv_blocks import BLOCK_SIZE
@@ -40,7 +40,7 @@ DENSE_COPY_SHARE = 0.25  # packed matrices get dense copies on CUDA if these fit
 def dense_copy_budget(device: torch.device) -> int:
     """Bytes the dense copies of packed matrices may take (kernels.linear): none off CUDA or with
     SPECSERVE_DENSE_COPIES=0 (for A/B runs), else a share of the card, at most half of what is free."""
-    if device.type != "cuda" or os.environ.get("SPECSERVE_DENSE_COPIES") == "0":
+    if device.type != "cuda" or not settings().dense_copies:
         return 0
     free, total = torch.cuda.mem_get_info(device)
     return int(min(total * DENSE_COPY_SHARE, free / 2))

@@ -14,8 +14,6 @@ the packed kernel or dequantizing every step. Batch-invariant steps keep the pac
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +21,7 @@ from specserve.kernels import batch_invariant
 from specserve.kernels.activation import silu_mul, silu_mul_ref
 from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS, MAX_SLICED_ROWS, QuantWeight, Weight, dequantize_ref
+from specserve.kernels.settings import settings
 
 # Products of at least this many rows use a matrix's dense copy where it has one. One sequence's step stays
 # below it (LocalRunner.draft_limit keeps a verify step within MAX_GEMV_ROWS on packed weights), so its rows
@@ -41,7 +40,7 @@ def linear_ref(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, sil
 
 def _triton_gemv_float(rows: int) -> bool:
     """One row over a float matrix (SPECSERVE_TRITON_GEMV=0: always cuBLAS, for A/B runs)."""
-    return rows == 1 and os.environ.get("SPECSERVE_TRITON_GEMV") != "0"
+    return rows == 1 and settings().triton_gemv
 
 
 def dense_copy(x: torch.Tensor, w: Weight) -> torch.Tensor | None:

@@ -11,13 +11,12 @@ so a verify step computes what decode steps compute; nothing is read back to the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specserve.kernels import quant_cuda
 from specserve.kernels.moe_experts_triton import slot_sum
 from specserve.kernels.quant_weight import QuantWeight
+from specserve.kernels.settings import settings
 
 # Every pair reads its expert's rows on its own: past this many tokens the same experts are read over and over
 # (16 tokens: 128 pairs), and the Triton paths (grouped by expert past MAX_PAIR_TOKENS) take over.
@@ -26,7 +25,7 @@ MAX_TOKENS = 16
 
 def enabled() -> bool:
     """SPECSERVE_MOE_KERNEL=triton runs the Triton pairs instead (A/B runs; callers never choose)."""
-    return os.environ.get("SPECSERVE_MOE_KERNEL") != "triton"
+    return settings().moe_kernel != "triton"
 
 
 def pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: QuantWeight, down: QuantWeight,

@@ -22,7 +22,6 @@ product dequantizes instead (the reference).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.kernels.cpu import build
+from specserve.kernels.settings import settings
 
 if TYPE_CHECKING:
     from specserve.kernels.quant_weight import QuantWeight
@@ -141,9 +141,9 @@ def gemv_int8_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def exact() -> bool:
-    """SPECSERVE_CPU_EXACT=1: every product on the exact fp32 kernel (read per product, so tests and benchmarks
-    can switch)."""
-    return os.environ.get("SPECSERVE_CPU_EXACT", "0") == "1"
+    """SPECSERVE_CPU_EXACT=1: every product on the exact fp32 kernel (kernels/settings.py; read per product, so
+    tests and benchmarks can switch with settings.reload())."""
+    return settings().cpu_exact
 
 
 def kernel_for(w: QuantWeight) -> str:

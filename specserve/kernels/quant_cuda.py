@@ -37,7 +37,6 @@ SPECSERVE_QUANT_KERNEL=core|triton picks another kernel (for A/B runs; callers n
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from functools import cache
@@ -47,13 +46,14 @@ import torch
 from specserve.kernels.cuda import block_shapes, build
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS, QuantWeight
 from specserve.kernels.rope import RopeWrite
+from specserve.kernels.settings import settings
 
 ROWS_PER_LAUNCH = MAX_GEMV_ROWS  # the kernels' largest M: more rows run as slices of this many
 
 
 def kernel_choice() -> str:
     """SPECSERVE_QUANT_KERNEL: "mma" (tensor cores, the default), "core" (CUDA cores) or "triton"."""
-    return os.environ.get("SPECSERVE_QUANT_KERNEL", "mma")
+    return settings().quant_kernel
 
 
 @cache

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from specserve import catalog
+from specserve.kernels.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernels this machine runs (built now if they were not); None where torch must serve."""
-    if os.environ.get("SPECSERVE_CPU_KERNEL", "1") == "0":
+    if not settings().cpu_kernel:
         return None
     for name, flags in builds():  # a compiler that lacks the best target's flags builds the next
         lib = _compile(SOURCES, flags)

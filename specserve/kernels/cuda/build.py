@@ -20,6 +20,7 @@ import torch
 
 from specserve.kernels.cuda import driver
 from specserve.kernels.cuda.block_shapes import CORE_WARPS, MMA_SMEM_BYTES
+from specserve.kernels.settings import settings
 
 # kernel name (its source: <name>.cu) -> its compile-time parameters in key order; M, the row count, is the third
 KERNELS: dict[str, tuple[str, ...]] = {
@@ -115,7 +116,7 @@ def tensor_cores(device: int) -> bool:
 
 def pdl_enabled(device: int) -> bool:
     """Programmatic dependent launch for the tensor-core kernel: sm_90+ and SPECSERVE_PDL not "0"."""
-    return os.environ.get("SPECSERVE_PDL") != "0" and sm90(device)
+    return settings().pdl and sm90(device)
 
 
 def launch(built: Any, grid: int | tuple[int, int], threads: int, args: list, shared_mem: int,
