@@ -214,3 +214,14 @@ def test_cluster_products_take_their_slices_in_one_launch(recorded_launches: lis
     quant_cuda.gemv(torch.zeros(40, 8960, dtype=torch.bfloat16), q4_weight(96, 8960), None, False, torch.bfloat16,
                     kernel="gemv_mma")
     assert [(key[3], key[-2], grid[1]) for key, grid in recorded_launches] == [(16, 4, 2), (8, 4, 1)]
+
+
+def test_the_private_torch_apis_the_build_uses_are_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On every machine: a torch that moved or changed them fails here, in one line, not at a kernel's first launch."""
+    from specserve.errors import SpecserveError
+    from specserve.kernels.cuda import torch_private
+
+    torch_private.check()
+    monkeypatch.delattr(torch_private.torch.cuda, "_compile_kernel")
+    with pytest.raises(SpecserveError, match="torch.cuda._compile_kernel"):
+        torch_private.compile_kernel("", "k")

@@ -3,7 +3,7 @@ and their launch.
 
 A kernel's source (package data beside this module) names its compile-time parameters as `__NAME__`
 placeholders; a key (kernel name, then the values in KERNELS' order) fills them in, and each key is built
-once, at first use, through torch (`torch.cuda._compile_kernel`).
+once, at first use, through torch's NVRTC binding (torch_private.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from specserve.kernels.cuda import driver
+from specserve.kernels.cuda import driver, torch_private
 from specserve.kernels.cuda.block_shapes import CORE_WARPS, MMA_SMEM_BYTES
 from specserve.kernels.settings import settings
 
@@ -58,7 +58,7 @@ _pool: ThreadPoolExecutor | None = None
 def _build(device: int, key: tuple) -> Any:
     torch.cuda.set_device(device)  # the module is loaded into the context current in this thread
     name = key[0]
-    built = torch.cuda._compile_kernel(kernel_source(key), name)
+    built = torch_private.compile_kernel(kernel_source(key), name)
     if name == "gemv_mma":
         _allow_smem(built, MMA_SMEM_BYTES)
     return built

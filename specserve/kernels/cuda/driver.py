@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from specserve.kernels.cuda import torch_private
+
 CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -34,7 +36,7 @@ class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 def _libcuda() -> Any:
-    return torch.cuda._utils._get_gpu_runtime_library()
+    return torch_private.gpu_runtime_library()
 
 
 def launch_ex(func: Any, grid: tuple[int, int], block: int, args: list, shared_mem: int, dependent: bool,
