@@ -100,6 +100,7 @@ def main() -> None:
     gguf = GGUFFile(path)
     tokenizer = Tokenizer.from_gguf(gguf)
     settings = ServerSettings(model=str(path), n_parallel=args.slots, adaptive_drafts=args.draft_policy != "always",
+                              endpoint_metrics=True,
                               chain_drafts=args.draft_policy == "adaptive")
     vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
     runner = PromptEchoRunner(gguf, args.slots, args.ctx, vocab, args)
