@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specserve.cli import build_parser, main
-from specserve.cli.serve import server_settings
+from specserve.cli.serve import api_keys, server_settings
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import render_chat
 from specserve.gguf.template_names import BUILTIN_TEMPLATES, resolve_chat_template
@@ -78,6 +78,7 @@ def test_builtin_templates_render(name: str) -> None:
 
 @pytest.mark.parametrize(("flags", "env", "needle"), [
     (["--chat-template", "no-such-template"], {}, "unknown chat template 'no-such-template'"),
+    (["--api-key-file", "/nonexistent/keys"], {}, "--api-key-file /nonexistent/keys: No such file"),
     (["--chat-template", "{% if %}"], {}, "chat template syntax error"),
     (["--chat-template", "chatml", "--chat-template-file", "x"], {}, "not both"),
     (["--chat-template-file", "/nonexistent/t.jinja"], {}, "cannot read --chat-template-file"),
@@ -134,3 +135,11 @@ def test_listening_on_several_addresses_and_a_unix_socket(tmp_path: Path) -> Non
     finally:
         for s in sockets:
             s.close()
+
+
+def test_api_keys_from_the_flag_and_a_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nkey-a\n\n  key-b  \n#key-c\n")
+    args = build_parser().parse_args(["serve", "--api-key", "key-0", "--api-key-file", str(keys)])
+    assert api_keys(args) == "key-0,key-a,key-b"
+    assert api_keys(build_parser().parse_args(["serve"])) is None

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specserve.cli.serve_flags import add_llama_server_flags, llama_server_settings, parse_env_bool
@@ -102,6 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=None,
                    help="require this key, or one of several separated by commas (Authorization: Bearer KEY or "
                         "X-Api-Key); each key's requests draft only from their own earlier requests")
+    g.add_argument("--api-key-file", default=None, metavar="FNAME",
+                   help="API keys, one per line (lines starting with # are comments), besides --api-key's")
     g.add_argument("-a", "--alias", default=None,
                    help="model names the API accepts, comma-separated; the first is shown (default: the model's)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
@@ -131,6 +134,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_spec_args(p)
     _apply_env(p)
     p.set_defaults(func=cmd_serve)
+
+
+def api_keys(args: argparse.Namespace) -> str | None:
+    """--api-key's keys and those of --api-key-file, comma-separated (SpecserveError for an unreadable file)."""
+    keys = [args.api_key] if args.api_key else []
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            raise SpecserveError(f"--api-key-file {args.api_key_file}: {why}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return ",".join(keys) or None
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -183,6 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.lifecycle import GracefulServer
 
     settings = server_settings(args)
+    keys = api_keys(args)  # (an unreadable key file is a one-line error before anything binds)
     hosts = listen.parse_hosts(args.host)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -198,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, args.api_key, on_load_error=on_load_error)
+    app = create_app(settings, keys, on_load_error=on_load_error)
     # asyncio's own loop even where uvloop is installed (the GPU image has it): it measured no gain over httptools
     # alone (docs/perf.md), and one loop everywhere keeps the server's behaviour alike across machines.
     config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
