@@ -103,11 +103,6 @@ class DecoderLayer:
         self.feed_forward(stream)
 
 
-def dense_layer(config: ModelConfig, layer_idx: int, lw: LayerWeights, rope: RopeTables) -> DecoderLayer:
-    """The layer llama, qwen2 and qwen3 stack: attention and the dense SwiGLU feed-forward."""
-    return DecoderLayer(AttentionBlock(config, layer_idx, lw, rope), DenseFeedForward(config, lw))
-
-
 class OutputHead:
     """Final RMSNorm -> output product: fp32 logits."""
 
