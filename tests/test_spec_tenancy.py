@@ -15,7 +15,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "1", "-c", "2048",
+    proc = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "1", "-c", "2048", "--metrics",
                          "--api-key", "key-a,key-b", api_key="key-a").wait_ready()
     yield proc
     proc.stop()
@@ -45,6 +45,9 @@ def test_each_key_drafts_only_from_its_own_earlier_requests(server: ServerProces
     assert shared(again_a)["n"] >= 16 and shared(again_a)["accepted"] == shared(again_a)["n"]
     assert shared(first_b)["n"] == 0  # key-a's text is not key-b's to draft from
     assert shared(other_scope)["n"] == 0  # nor another scope's within one key
+    text = server.get("/metrics").text
+    requests = next(line for line in text.splitlines() if line.startswith("llamacpp:shared_suffix_requests "))
+    assert float(requests.split()[1]) == 4  # every speculating request so far, in three scopes
 
 
 def test_a_wrong_key_is_refused(server: ServerProcess) -> None:

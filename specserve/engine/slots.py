@@ -122,6 +122,9 @@ class SchedulerCounters:
     kv_capacity: int = 0  # positions of the pool
     kv_preemptions: int = 0  # running slots that gave back their KV for others (engine/kv_room.py)
     context_shifts: int = 0  # generations that filled their context and dropped old tokens (--context-shift)
+    # the shared suffix store (speculative/shared_suffix.py; the engine fills these in): requests and tokens kept
+    shared_requests: int = 0
+    shared_tokens: int = 0
     requests_done: int = 0
     requests_failed: int = 0
     prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache (not in prompt_tokens)

@@ -373,7 +373,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             {"id": engine.model_name, "aliases": engine.aliases, "tags": state.settings.tags, "object": "model",
              "created": engine.created, "owned_by": "specserve", "meta": meta}]})
 
-    registry = metrics.make_registry(lambda: state.engine.scheduler.counters_snapshot() if state.engine else None)
+    registry = metrics.make_registry(lambda: state.engine.counters() if state.engine else None)
 
     @app.get("/metrics", openapi_extra=operation(text=True))
     async def get_metrics() -> Response:

@@ -21,6 +21,7 @@ from specserve.engine.runner import Runner, model_file
 from specserve.engine.sampling import SamplingParams, choice_seed
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.slot_state import POOLINGS
+from specserve.engine.slots import SchedulerCounters
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
@@ -211,6 +212,13 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+    def counters(self) -> SchedulerCounters:
+        """The scheduler's counters, with the shared suffix store's size (/metrics)."""
+        c = self.scheduler.counters_snapshot()
+        if self.suffix_store is not None:
+            c.shared_requests, c.shared_tokens = self.suffix_store.sizes()
+        return c
 
     # -- prompts ------------------------------------------------------------------------------------
 

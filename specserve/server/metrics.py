@@ -88,6 +88,9 @@ class SchedulerCollector(Collector):
                       "again later (a full pool: engine/kv_room.py).", c.kv_preemptions)
         yield counter("context_shifts", "Generations that filled their context and went on without their oldest "
                       "tokens (--context-shift).", c.context_shifts)
+        yield gauge("shared_suffix_requests", "Earlier requests ngram-suffix may draft from, all scopes "
+                    "(--spec-shared-tokens).", c.shared_requests)
+        yield gauge("shared_suffix_tokens", "Their tokens (prompts and outputs).", c.shared_tokens)
 
 
 def make_registry(counters: Callable[[], SchedulerCounters | None]) -> CollectorRegistry:
