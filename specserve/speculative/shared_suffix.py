@@ -10,7 +10,7 @@ Each scope indexes the k-grams of its requests for a few key lengths (the latest
 finds the longest earlier occurrence of the slot's suffix among KEY_LENGTHS and its match is then extended
 backwards token by token. New requests are indexed a slice at a time from `begin` and `prepare` (which runs
 while the device works), not at the end of a request. In ngram-suffix's chain this type comes first and drafts
-only on a match of 8 tokens or more that is longer than the slot's own history's (ngram_suffix.py), which drafts
+only on a match of 16 tokens or more that is longer than the slot's own history's (ngram_suffix.py), which drafts
 otherwise.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from specserve.speculative.base import SpecParams, Speculator
 from specserve.speculative.ngram_suffix import DRAFT_BEYOND_MATCH, LONGEST, NgramSuffix
 
-KEY_LENGTHS = (32, 16, 8)  # longest first: a match of 8+ tokens in another request beats one's own shorter ones
+KEY_LENGTHS = (32, 16)  # longest first: a match of 16+ tokens in another request beats one's own shorter ones
 INDEX_SLICE = 1024  # tokens indexed per prepare() call
 DEFAULT_TOKENS = 1 << 18  # tokens kept in all (about 3 index entries each)
 
