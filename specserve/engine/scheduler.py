@@ -22,13 +22,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 
 from specserve.engine.draft_gate import MAX_DRAFTING_SLOTS, DraftGate, draft_cap
 from specserve.engine.kv_room import KVRoom, SlotMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
-from specserve.engine.slot_drafts import SlotDrafts
+from specserve.engine.slot_drafts import ChainFactory, SlotDrafts
 from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
@@ -39,12 +38,9 @@ from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import common_prefix
-from specserve.speculative.base import Chain, SpecParams
-from specserve.speculative.prediction import PredictionDrafter
 
 log = logging.getLogger(__name__)
 
-ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) -> the slot's speculator chain
 
 
 class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
@@ -288,24 +284,6 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         except Exception as exc:
             log.exception("could not start task %d", task.id)
             self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
-
-    def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
-        if spec.n_max == 0 or self.chain_factory is None:
-            return  # speculation off for this task; keep the slot's chain for later tasks
-        key = replace(spec, n_max=0, n_min=0)  # draft limits are passed per draft() call
-        if key != slot.chain_key:
-            slot.chain = self.chain_factory(spec, slot.id)
-            slot.chain_key = key
-            slot.spec_seen = {}
-
-    @staticmethod
-    def _attach_prediction(slot: Slot, prediction: list[int]) -> None:
-        """The task's prediction drafts first, before the slot's own speculators; the chain is the task's alone
-        (the next task builds the slot's chain again)."""
-        members = slot.chain.members if slot.chain is not None else []
-        slot.chain = Chain([PredictionDrafter(prediction), *(m for m in members if m.name != PredictionDrafter.name)])
-        slot.chain_key = None
-        slot.spec_seen.pop(PredictionDrafter.name, None)  # a new drafter: its counts start from zero
 
     # -- planning --------------------------------------------------------------------------------------
 

@@ -1,16 +1,22 @@
-"""How the scheduler asks its slots' speculators for drafts: how many tokens each may take, and all of a step's
-asks at once, so that the draft model drafts for them together (one forward per draft token)."""
+"""The scheduler's slots and their speculators: a task's chain (built, reused, or led by its prediction), how many
+tokens each slot may draft, and all of a step's asks at once, so that the draft model drafts for them together (one
+forward per draft token)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 
 from specserve.engine.draft_gate import DRAFT_ROWS, SURPLUS_RECOVERY
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
-from specserve.speculative.base import draft_chains
+from specserve.speculative.base import Chain, SpecParams, draft_chains
+from specserve.speculative.prediction import PredictionDrafter
 
 log = logging.getLogger(__name__)
+
+ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) -> the slot's speculator chain
 
 
 class SlotDrafts:
@@ -18,12 +24,31 @@ class SlotDrafts:
 
     runner: Runner
     n_ctx: int
+    chain_factory: ChainFactory | None
     _drafts_allowed: bool
     _chain_drafts: bool
     _draft_turn: int  # steps drafted for (the chained drafts' rotation)
     _draft_cap: int
 
     def _fail(self, slot: Slot, message: str) -> None: ...
+
+    def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
+        if spec.n_max == 0 or self.chain_factory is None:
+            return  # speculation off for this task; keep the slot's chain for later tasks
+        key = replace(spec, n_max=0, n_min=0)  # draft limits are passed per draft() call
+        if key != slot.chain_key:
+            slot.chain = self.chain_factory(spec, slot.id)
+            slot.chain_key = key
+            slot.spec_seen = {}
+
+    @staticmethod
+    def _attach_prediction(slot: Slot, prediction: list[int]) -> None:
+        """The task's prediction drafts first, before the slot's own speculators; the chain is the task's alone
+        (the next task builds the slot's chain again)."""
+        members = slot.chain.members if slot.chain is not None else []
+        slot.chain = Chain([PredictionDrafter(prediction), *(m for m in members if m.name != PredictionDrafter.name)])
+        slot.chain_key = None
+        slot.spec_seen.pop(PredictionDrafter.name, None)  # a new drafter: its counts start from zero
 
     def _drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | None]:
         """The drafts of a step's slots, by slot id, all asked at once (`draft_chains`: the draft model drafts
