@@ -104,8 +104,7 @@ def main() -> None:
                               chain_drafts=args.draft_policy == "adaptive")
     vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
     runner = PromptEchoRunner(gguf, args.slots, args.ctx, vocab, args)
-    engine = Engine(settings, path, runner, None, tokenizer)  # type: ignore[arg-type]
-    engine.scheduler.start()
+    engine = Engine.local(settings, path, runner, None, tokenizer)  # type: ignore[arg-type]
     app = create_app(settings, engine=engine)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, loop="asyncio",
                 http="httptools")

@@ -190,7 +190,7 @@ def test_a_slot_job_gets_room_from_idle_caches(smollm_path: Path) -> None:
 
 def test_without_c_the_pool_is_a_slots_context_each(smollm_path: Path) -> None:
     """Held prefixes add sequences, not memory: without -c the pool is min(model, 4096) positions a slot."""
-    from specserve.server.engine import ServerSettings
+    from specserve.server.settings import ServerSettings
 
     settings = ServerSettings(model=str(smollm_path), n_parallel=3)
     context = LocalRunner(smollm_path, device="cpu", progress=False).config.context_length

@@ -128,7 +128,7 @@ def test_server_engine_weight_format(smollm_path: Path) -> None:
     engine = Engine.load(ServerSettings(model=str(smollm_path), n_parallel=1, device="cpu", weight_format="gguf"),
                          progress=False)
     try:
-        assert engine.scheduler.runner.weight_format == "gguf"
-        assert isinstance(engine.scheduler.runner.weights.layers[0].wo, QuantWeight)
+        assert engine.core.scheduler.runner.weight_format == "gguf"
+        assert isinstance(engine.core.scheduler.runner.weights.layers[0].wo, QuantWeight)
     finally:
         engine.shutdown()

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.routing import APIRoute
 
 from specserve.server.app import create_app
-from specserve.server.engine import ServerSettings
+from specserve.server.settings import ServerSettings
 
 
 def schema_and_routes() -> tuple[dict[str, Any], list[APIRoute]]:

@@ -24,7 +24,7 @@ def client() -> TestClient:
 
 
 def marker_token() -> int:
-    return app_engine.engine().scheduler.tokenizer.encode(MARKER)[-1]
+    return app_engine.engine().core.scheduler.tokenizer.encode(MARKER)[-1]
 
 
 class BrokenStep:
@@ -43,7 +43,7 @@ class BrokenStep:
 @pytest.fixture(params=["launch", "read"])
 def failing_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The engine's runner fails every step that holds the marker token: at launch, or when the step is read."""
-    runner = app_engine.engine().scheduler.runner
+    runner = app_engine.engine().core.scheduler.runner
     launch = runner.launch
     marker = marker_token()
 

@@ -22,7 +22,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from specserve.server.app import create_app
-from specserve.server.engine import ServerSettings
+from specserve.server.settings import ServerSettings
 from specserve.server.webui import STATIC_DIR
 from tests.server_utils import REPO, ServerProcess
 

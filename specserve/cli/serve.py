@@ -14,7 +14,7 @@ from specserve.errors import SpecserveError
 from specserve.speculative.shared_suffix import DEFAULT_TOKENS
 
 if TYPE_CHECKING:
-    from specserve.server.engine import ServerSettings
+    from specserve.server.settings import ServerSettings
 
 # llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
 _ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
@@ -87,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="adaptive: with a few slots busy, draft only while drafting measurably gives more "
                         "tokens/s, with more, draft in chained steps (the default); gated: as adaptive, but with "
                         "more slots busy nothing drafts; always: draft whenever a request's speculator can")
+    g.add_argument("--core-in-process", action="store_true",
+                   help="run the scheduler and the model in a thread of the HTTP server's process instead of a "
+                        "process of their own (the engine core: server/core_process.py)")
     g.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
                    help="debug logs, and OpenAI answers carry `__verbose`: the native /completion body, as "
                         "llama-server's")
@@ -157,7 +160,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         spec_params_from_args,
         tensor_parallel_from_args,
     )
-    from specserve.server.engine import ServerSettings, check_settings
+    from specserve.server.settings import ServerSettings, check_settings
 
     if getattr(args, "env_error", None):
         raise SpecserveError(args.env_error)
@@ -172,7 +175,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         cache_prefixes=args.cache_prefixes,
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy != "always",
         chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict, verbose=args.verbose,
-        spec_shared_tokens=args.spec_shared_tokens,
+        spec_shared_tokens=args.spec_shared_tokens, core_process=not args.core_in_process, threads=args.threads,
         device=args.device, alias=args.alias,
         weight_format=args.weight_format, remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),

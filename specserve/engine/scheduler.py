@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 
 
 
+def check_task(task: Task, n_ctx: int, speculates: bool) -> None:
+    """SpecserveError for a task no slot of n_ctx positions can run (speculates: the scheduler has speculators)."""
+    if not task.prompt:
+        raise SpecserveError("the prompt is empty")
+    if len(task.prompt) >= n_ctx:
+        raise SpecserveError(f"the prompt ({len(task.prompt)} tokens) does not fit the slot context "
+                             f"({n_ctx} tokens, one of them for the first generated token)")
+    if task.spec.n_max > 0 and task.spec.type != "none" and not speculates:
+        raise SpecserveError("this scheduler has no speculators")
+
+
 class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
     """Serves up to n_slots tasks at once over one Runner."""
 
@@ -84,6 +95,9 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         self._draft_cap = draft_cap(1)
         self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
+        # Called on the loop's thread after each turn and after the drain (the engine core's process sends the
+        # turn's events then, as one message)
+        self.after_turn: Callable[[], None] | None = None
 
     # -- public, thread-safe ---------------------------------------------------------------------
 
@@ -100,13 +114,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
 
     def submit(self, task: Task, emit: Callable[[Event], None]) -> TaskHandle:
         """Queue a task; events go to `emit` (called from the thread that runs the loop)."""
-        if not task.prompt:
-            raise SpecserveError("the prompt is empty")
-        if len(task.prompt) >= self.n_ctx:
-            raise SpecserveError(f"the prompt ({len(task.prompt)} tokens) does not fit the slot context "
-                                 f"({self.n_ctx} tokens, one of them for the first generated token)")
-        if task.spec.n_max > 0 and task.spec.type != "none" and self.chain_factory is None:
-            raise SpecserveError("this scheduler has no speculators")
+        check_task(task, self.n_ctx, speculates=self.chain_factory is not None)
         handle = TaskHandle(task, emit, self._wake)
         with self._cond:
             if self._stopping:
@@ -148,7 +156,11 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
                 if self._stopping:
                     break
             self.run_once()
+            if self.after_turn is not None:
+                self.after_turn()
         self._drain("the server is shutting down")
+        if self.after_turn is not None:
+            self.after_turn()
 
     def run_once(self) -> None:
         """One turn: drop cancelled tasks, start queued ones on free slots, launch and settle steps."""

@@ -6,6 +6,7 @@ into memory when the file is opened).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,13 +58,22 @@ class _Reader(GGUFReader):
 
 class ModelFile(Protocol):
     """What the tokenizer and the chat template read of a model's file: a GGUFFile, or what a remote runner
-    knows of the host's (remote.client.RemoteModelFile)."""
+    knows of the host's, or the HTTP front of the engine core's (MetadataFile)."""
 
     @property
     def path(self) -> Path: ...
 
     @property
     def metadata(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class MetadataFile:
+    """A model file's path and metadata without its tensors, e.g. a remote host's file, or the engine core's
+    file as its front sees it."""
+
+    path: Path
+    metadata: dict[str, Any]
 
 
 class GGUFFile:

@@ -18,7 +18,6 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from specserve.errors import NotSupported, SpecserveError
+from specserve.gguf.reader import MetadataFile
 from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
 from specserve.remote.protocol import (
@@ -46,14 +46,6 @@ from specserve.remote.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RemoteModelFile:
-    """What the front knows of the host's GGUF file: its path there and its metadata (tokenizer, template)."""
-
-    path: Path
-    metadata: dict[str, Any]
 
 
 class RemoteStep:
@@ -136,7 +128,7 @@ class RemoteRunner:
         self.dtype = getattr(torch, info["dtype"], torch.float32)
         self.weight_format = info["weight_format"]
         self.weights_bytes = info["weights_bytes"]
-        self.gguf = RemoteModelFile(Path(info["path"]), json.loads(info["metadata"]))
+        self.gguf = MetadataFile(Path(info["path"]), json.loads(info["metadata"]))
         self.config = SimpleNamespace(**json.loads(info["config"]))  # the host's ModelConfig, as values
         self.file_bytes = info["file_bytes"]
         self.ledger = KVLedger(self.n_seqs, self.n_ctx, self.vocab_size, info["kv_size"])

@@ -26,7 +26,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve import __version__
 from specserve.build_info import build_info
-from specserve.engine.runner import model_file
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
@@ -341,7 +340,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "total_slots": engine.settings.n_parallel,
             "model_alias": engine.model_name,
             "model_path": str(engine.model_path),
-            "draft_model_path": str(model_file(engine.draft_runner).path) if engine.draft_runner else None,
+            "draft_model_path": str(engine.model.draft_path) if engine.model.draft_path is not None else None,
             "chat_template": tok.chat_template or "",
             "chat_format": engine.tool_style.format,  # how tool calls are read (server/tool_calls.py)
             "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
@@ -354,7 +353,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def slots() -> Response:
         if not state.settings.endpoint_slots:  # --no-slots: llama-server's answer
             return error_response(501, "This server does not support slots endpoint. Start it with `--slots`")
-        out = eng().scheduler.slots_json()
+        out = eng().core.slots_json()
         for slot in out:
             if "params" in slot:
                 slot["params"] = llama_params(slot["params"])  # type: ignore[arg-type]
@@ -366,9 +365,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.engine
         if engine is None:
             return error_response(503, "Loading model")
-        cfg = engine.runner.config
+        cfg = engine.model.config
         meta = {"vocab_type": 2, "n_vocab": cfg.vocab_size, "n_ctx_train": cfg.context_length,
-                "n_embd": cfg.hidden, "size": engine.runner.file_bytes}
+                "n_embd": cfg.hidden, "size": engine.model.file_bytes}
         return JSONResponse({"object": "list", "data": [
             {"id": engine.model_name, "aliases": engine.aliases, "tags": state.settings.tags, "object": "model",
              "created": engine.created, "owned_by": "specserve", "meta": meta}]})

@@ -50,9 +50,9 @@ async def embeddings(engine: Engine, admission: Admission, body: bytes, openai: 
     try:
         req, inputs = await run_in_threadpool(_parse, engine, body)
         admission.widen(ticket, len(inputs))
-        work = [functools.partial(slot_state.embed, engine.runner, tokens=tokens, n_batch=engine.settings.n_batch,
+        work = [functools.partial(slot_state.embed, tokens=tokens, n_batch=engine.settings.n_batch,
                                   pooling=engine.pooling) for tokens in inputs]
-        futures = [engine.scheduler.submit_job(w) for w in work]
+        futures = [engine.core.submit_job(w) for w in work]
         vectors = [normalize(await asyncio.wrap_future(f), req.embd_normalize) for f in futures]
     finally:
         ticket.release()

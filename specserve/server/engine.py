@@ -8,36 +8,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from specserve import catalog
 from specserve.engine.constraints import GrammarCompiler, GrammarSource
-from specserve.engine.loading import RemoteOptions, load_with_draft
-from specserve.engine.local_runner import DEFAULT_CTX, checked_device
 from specserve.engine.logit_bias import LogitBias
 from specserve.engine.runner import Runner, model_file
-from specserve.engine.sampling import SamplingParams, choice_seed
-from specserve.engine.scheduler import Scheduler
-from specserve.engine.slot_state import POOLINGS
+from specserve.engine.sampling import choice_seed
 from specserve.engine.slots import SchedulerCounters
 from specserve.engine.tasks import Task
 from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
-from specserve.gguf.reader import GGUFFile
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.model.registry import read_config
 from specserve.server.chat_tokens import ControlTokens
 from specserve.server.chat_tools import ToolPlan, ToolStyle, plan_tools
+from specserve.server.core import EngineCore, LocalCore, ModelFacts, load_model
+from specserve.server.core_client import CoreClient
 from specserve.server.errors import ContextSizeError
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
-from specserve.server.reasoning import FORMATS as REASONING_FORMATS
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
+from specserve.server.settings import ServerSettings, check_settings
 from specserve.server.tokenizing import TextEncoder
-from specserve.speculative.base import SpecParams
-from specserve.speculative.factory import build_chain
-from specserve.speculative.shared_suffix import DEFAULT_TOKENS, SuffixStore
 
 log = logging.getLogger(__name__)
 
@@ -45,180 +38,69 @@ log = logging.getLogger(__name__)
 _RESERVED_TEMPLATE_VARS = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
 
-@dataclass
-class ServerSettings:
-    model: str | None = None  # catalog name or GGUF path; None = the default model
-    model_draft: str | None = None
-    # -c: KV positions all slots share (a paged pool), each slot able to reach all of them; None: 4096 a slot at
-    # most (the model's training context if shorter), a pool of that times the slots
-    ctx_size: int | None = None
-    n_parallel: int = 4
-    # prompt prefixes kept beyond the slots' caches (kv_room.py); None: as many as slots, at least 8
-    cache_prefixes: int | None = None
-    n_batch: int = 512
-    adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
-    chain_drafts: bool = True  # past the gate's slot count, drafts ride chained steps; False: none drafts there
-    # ngram-suffix also drafts from earlier requests of the same scope: tokens they keep in all (0: off)
-    spec_shared_tokens: int = DEFAULT_TOKENS
-    n_predict: int = -1
-    device: str | None = None
-    weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
-    remote: RemoteOptions | None = None  # run the model on a remote host
-    tensor_parallel: int = 1  # ranks the model is split over (engine/tp_runner.py)
-    alias: str | None = None  # names the API shows and accepts, comma-separated (the first is shown)
-    tags: list[str] = field(default_factory=list)  # informational, shown by /v1/models (llama-server's --tags)
-    chat_template: str | None = None  # Jinja text replacing the GGUF's template (--chat-template[-file])
-    mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
-    endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
-    endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
-    context_shift: bool = False  # --context-shift: a generation that fills its context drops old tokens, goes on
-    verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
-    webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
-    max_queue: int = 256  # generation requests waiting for a slot; more get 503
-    responses_store: int = 256  # past /v1/responses kept for previous_response_id (responses_store.py); 0: none
-    cors_origins: list[str] = field(default_factory=lambda: ["*"])  # browser origins allowed; [] = no CORS
-    slot_save_path: str | None = None  # directory of /slots save/restore files; None: those actions are 501
-    pooling: str | None = None  # embeddings: "mean" or "last"; None: the GGUF's pooling_type if one of them, else mean
-    reasoning_format: str = "auto"  # --reasoning-format: how a chat answer's reasoning is split (reasoning.py)
-    reasoning_budget: int = -1  # --reasoning-budget: -1 unlimited, 0 thinking off (the template's enable_thinking)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    spec: SpecParams = field(default_factory=SpecParams)
-
-    def held_prefixes(self) -> int:
-        return max(8, self.n_parallel) if self.cache_prefixes is None else self.cache_prefixes
-
-    def kv_size(self) -> int | None:
-        """-c: the pool's positions, which is also the most one slot may reach; None when not given."""
-        if self.ctx_size is None or self.ctx_size == 0:
-            return None
-        if self.ctx_size < 16:
-            raise SpecserveError(f"context size {self.ctx_size} is too small; give -c 16 or more")
-        return self.ctx_size
-
-    def default_kv_size(self) -> int:
-        """Without -c: a pool of min(model, 4096) positions a slot (held prefixes get none of their own: they
-        share what the slots leave). A remote host's model is not read here: 4096 a slot, the host's default
-        context per sequence within it."""
-        per_slot = DEFAULT_CTX
-        if self.remote is None:
-            gguf = GGUFFile(catalog.resolve(self.model))
-            per_slot = min(read_config(gguf.metadata, set(gguf.tensor_names())).context_length,
-                           DEFAULT_CTX)
-        return per_slot * self.n_parallel
-
-
-def check_settings(s: ServerSettings) -> None:
-    if s.n_parallel < 1:
-        raise SpecserveError(f"-np/--parallel must be at least 1, got {s.n_parallel}")
-    if s.cache_prefixes is not None and s.cache_prefixes < 0:
-        raise SpecserveError(f"--cache-prefixes must not be negative, got {s.cache_prefixes}")
-    if s.n_batch < 1:
-        raise SpecserveError(f"-b/--batch-size must be at least 1, got {s.n_batch}")
-    if s.n_predict < -1:
-        raise SpecserveError(f"-n/--n-predict must be -1 (unlimited) or more, got {s.n_predict}")
-    if s.ctx_size is not None and s.ctx_size < 0:
-        raise SpecserveError(f"-c/--ctx-size must not be negative, got {s.ctx_size}")
-    if s.max_body_bytes < 1:
-        raise SpecserveError(f"--max-body-bytes must be at least 1, got {s.max_body_bytes}")
-    if s.max_queue < 0:
-        raise SpecserveError(f"--max-queue must not be negative, got {s.max_queue}")
-    if s.spec_shared_tokens < 0:
-        raise SpecserveError(f"--spec-shared-tokens must not be negative, got {s.spec_shared_tokens}")
-    if s.responses_store < 0:
-        raise SpecserveError(f"--responses-store must not be negative, got {s.responses_store}")
-    if s.pooling is not None and s.pooling not in POOLINGS:
-        raise SpecserveError(f"--pooling must be one of {', '.join(POOLINGS)}, got {s.pooling!r}")
-    if s.reasoning_format not in REASONING_FORMATS:
-        raise SpecserveError(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}, "
-                             f"got {s.reasoning_format!r}")
-    if s.reasoning_budget not in (-1, 0):  # a token budget would need the scheduler to end the block
-        raise SpecserveError(f"--reasoning-budget: only -1 (unlimited) and 0 (thinking off) are supported, "
-                             f"got {s.reasoning_budget}")
-    if s.slot_save_path is not None:
-        try:
-            Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SpecserveError(f"--slot-save-path {s.slot_save_path}: {exc.strerror or exc}") from None
-    if s.remote is None:  # (a remote host checks its own device)
-        checked_device(s.device)
-    s.sampling.validate()
-    s.spec.validate()
-
-
-def _gguf_pooling(runner: Runner) -> str:
+def _gguf_pooling(metadata: dict[str, Any]) -> str:
     """Embedding models say how they pool (`{arch}.pooling_type`: 1 mean, 3 last); generative ones do not."""
-    gguf = getattr(runner, "gguf", None)
-    meta = getattr(gguf, "metadata", None) or {}
-    kind = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    kind = metadata.get(f"{metadata.get('general.architecture')}.pooling_type")
     return "last" if kind == 3 else "mean"
 
 
 class Engine:
-    """A loaded model serving requests through its scheduler."""
+    """A loaded model serving requests through its engine core (core.py: in this process, or in its own)."""
 
-    def __init__(self, settings: ServerSettings, model_path: Path, runner: Runner,
-                 draft_runner: Runner | None, tokenizer: Tokenizer):
+    def __init__(self, settings: ServerSettings, model: ModelFacts, core: EngineCore, tokenizer: Tokenizer):
         self.settings = settings
-        self.model_path = model_path
-        self.runner = runner
-        self.draft_runner = draft_runner
+        self.model = model
+        self.core = core
         self.tokenizer = tokenizer
         self.encoder = TextEncoder(tokenizer)
         self.control_tokens = ControlTokens(self.encoder)
         self.tool_style = ToolStyle.of(tokenizer)  # how the chat template has the model write tool calls
         self.grammars = GrammarCompiler(tokenizer)  # grammar / json_schema / response_format requests
-        if draft_runner is not None and draft_runner.n_seqs < settings.n_parallel:
-            raise SpecserveError("the draft runner needs one sequence per slot")
-        self.suffix_store = SuffixStore(settings.spec_shared_tokens) if settings.spec_shared_tokens > 0 else None
-        self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
-                                   adaptive_drafts=settings.adaptive_drafts, chain_drafts=settings.chain_drafts,
-                                   chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot,
-                                                                                shared=self.suffix_store))
-        self.n_ctx = runner.n_ctx
-        self.pooling = settings.pooling or _gguf_pooling(runner)
+        self.n_ctx = model.n_ctx
+        self.pooling = settings.pooling or _gguf_pooling(model.file.metadata)
         self.created = int(time.time())
         self.aliases = [a.strip() for a in (settings.alias or "").split(",") if a.strip()]
         name = self.aliases[0] if self.aliases else settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
 
     @classmethod
-    def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
-        check_settings(settings)
-        ctx = settings.kv_size()  # the most one slot may reach: the pool, as given; else the runner's default
-        kv_size = ctx or settings.default_kv_size()
-        runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
-                                                     n_seqs=settings.n_parallel + settings.held_prefixes(),
-                                                     n_ctx=ctx, kv_size=kv_size,
-                                               device=settings.device, progress=progress,
-                                               weight_format=settings.weight_format,
-                                               tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)
-        build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
-        # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
-        runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max), sequences=settings.n_parallel)
-        if draft_runner is not None:  # the slots draft together: a row each per draft token
-            draft_runner.warmup(max_rows=settings.n_parallel, sequences=settings.n_parallel)
-        tokenizer = Tokenizer.from_gguf(model_file(runner))
-        if settings.chat_template is not None:
-            tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders
-        engine = cls(settings, path, runner, draft_runner, tokenizer)
-        engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
-        engine.scheduler.start()
+    def local(cls, settings: ServerSettings, model_path: Path, runner: Runner, draft_runner: Runner | None,
+              tokenizer: Tokenizer) -> Engine:
+        """An engine over runners of this process, its scheduler in a thread here (started)."""
+        core = LocalCore(settings, runner, draft_runner, tokenizer)
+        engine = cls(settings, ModelFacts.of(model_path, runner, draft_runner), core, tokenizer)
+        core.start()
         return engine
+
+    @classmethod
+    def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
+        """The model loaded, in an engine core process of its own (settings.core_process) or in this one."""
+        check_settings(settings)
+        if settings.core_process:
+            client = CoreClient(settings)
+            tokenizer = Tokenizer.from_gguf(client.model.file)
+            engine = cls(settings, client.model, client, _with_template(tokenizer, settings))
+        else:
+            runner, draft_runner, path = load_model(settings, progress)
+            tokenizer = _with_template(Tokenizer.from_gguf(model_file(runner)), settings)
+            engine = cls.local(settings, path, runner, draft_runner, tokenizer)
+        engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
+        return engine
+
+    @property
+    def model_path(self) -> Path:
+        return self.model.path
 
     def slot_model(self) -> dict[str, object]:
         """What a slot file records of the model its K/V belong to (engine/slot_state.py)."""
-        return {"file": self.model_path.name, "bytes": self.runner.file_bytes}
+        return {"file": self.model.path.name, "bytes": self.model.file_bytes}
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        self.core.shutdown()
 
     def counters(self) -> SchedulerCounters:
         """The scheduler's counters, with the shared suffix store's size (/metrics)."""
-        c = self.scheduler.counters_snapshot()
-        if self.suffix_store is not None:
-            c.shared_requests, c.shared_tokens = self.suffix_store.sizes()
-        return c
+        return self.core.counters()
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -279,7 +161,7 @@ class Engine:
             sampling = replace(s.sampling, **fields.sampling_overrides()).validate()
             overrides = fields.spec_overrides()
             if overrides.get("type") == "draft":
-                if self.draft_runner is None:
+                if self.model.draft_path is None:
                     raise SpecserveError("speculative type 'draft' needs a draft model (start the server with -md)")
                 overrides["type"] = "none"  # the draft model drafts whenever the draft-free type has nothing
             spec = s.spec.with_overrides(**overrides)
@@ -329,3 +211,9 @@ class Engine:
 
     def token_piece(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def _with_template(tokenizer: Tokenizer, settings: ServerSettings) -> Tokenizer:
+    if settings.chat_template is not None:
+        tokenizer.chat_template = settings.chat_template  # what /props shows and every chat renders
+    return tokenizer

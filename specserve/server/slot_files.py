@@ -6,6 +6,7 @@ job (engine/slot_jobs.py): it runs on the scheduler's thread once the slot is id
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,6 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from specserve.engine import slot_state
-from specserve.engine.slots import Slot
 from specserve.errors import NotSupported, SpecserveError
 from specserve.server.engine import Engine
 from specserve.server.schemas import SlotFileRequest, parse_body
@@ -37,9 +37,8 @@ async def slot_action(engine: Engine, id_slot: str, action: str, body: bytes) ->
         slot_id = int(id_slot)
     except ValueError:
         raise SpecserveError("Invalid slot ID") from None
-    runner = engine.runner
     if action == "erase":
-        n = await asyncio.wrap_future(engine.scheduler.submit_job(lambda s: slot_state.erase(runner, s), slot_id))
+        n = await asyncio.wrap_future(engine.core.submit_job(slot_state.erase, slot_id))
         return {"id_slot": slot_id, "n_erased": n}
     if action not in ("save", "restore"):
         raise SpecserveError(f"Invalid action {action!r} (save, restore or erase)")
@@ -47,12 +46,8 @@ async def slot_action(engine: Engine, id_slot: str, action: str, body: bytes) ->
     path = Path(engine.settings.slot_save_path) / checked_filename(req.filename)
     model = engine.slot_model()
     t0 = time.perf_counter()
-
-    def work(slot: Slot) -> tuple[int, int]:
-        do = slot_state.save if action == "save" else slot_state.restore
-        return do(runner, slot, path, model)
-
-    n_tokens, n_bytes = await asyncio.wrap_future(engine.scheduler.submit_job(work, slot_id))
+    work = functools.partial(slot_state.save if action == "save" else slot_state.restore, path=path, model=model)
+    n_tokens, n_bytes = await asyncio.wrap_future(engine.core.submit_job(work, slot_id))
     ms = (time.perf_counter() - t0) * 1000
     if action == "save":
         return {"id_slot": slot_id, "filename": req.filename, "n_saved": n_tokens, "n_written": n_bytes,

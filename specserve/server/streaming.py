@@ -99,7 +99,7 @@ def _subscribe(engine: Engine, job: Job, ticket: Ticket) -> asyncio.Queue[Any]:
         raise Unavailable(ticket.interrupted)
     ticket.queue = queue
     for i, task in enumerate(job.tasks):
-        ticket.handles.append(engine.scheduler.submit(task, emitter(i)))
+        ticket.handles.append(engine.core.submit(task, emitter(i)))
     return queue
 
 
