@@ -267,7 +267,9 @@ def test_server_with_two_ranks(smollm_path: Path, reference: LocalRunner) -> Non
     server = ServerProcess("-m", str(smollm_path), "--tensor-parallel", "2", "--device", "cpu", "-np", "1",
                            "-c", str(N_CTX)).wait_ready()
     try:
-        followers = [c.pid for c in psutil.Process(server.proc.pid).children()]
+        # (the follower is a child of the engine core's process, itself a child of the server's)
+        followers = [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)
+                     if "specserve.engine.tp_worker" in " ".join(c.cmdline())]
         assert len(followers) == 1
         got = server.complete(PROMPT, n_predict=12)["content"]
     finally:

@@ -10,7 +10,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from specserve.engine.constraints import Constraint
 from specserve.engine.logit_bias import LogitBias
@@ -146,6 +146,13 @@ class Failure:
 
 
 Event = Chunk | Progress | Result | Failure
+
+
+class Cancellable(Protocol):
+    """What a requester keeps of a submitted task: a TaskHandle, or the HTTP front's stand-in for one in the
+    engine core's process (server/core_client.py)."""
+
+    def cancel(self) -> None: ...
 
 
 class TaskHandle:

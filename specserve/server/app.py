@@ -231,6 +231,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is None:
             message = f"Loading failed: {state.load_error}" if state.load_error else "Loading model"
             return error_response(503, message)
+        failure = state.engine.core.failure()
+        if failure is not None:
+            return error_response(503, failure)
         return JSONResponse({"status": "ok"})
 
     async def generate(request: Request, build: Builder) -> Response:
@@ -365,9 +368,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.engine
         if engine is None:
             return error_response(503, "Loading model")
-        cfg = engine.model.config
-        meta = {"vocab_type": 2, "n_vocab": cfg.vocab_size, "n_ctx_train": cfg.context_length,
-                "n_embd": cfg.hidden, "size": engine.model.file_bytes}
+        m = engine.model
+        meta = {"vocab_type": 2, "n_vocab": m.vocab_size, "n_ctx_train": m.context_length, "n_embd": m.hidden,
+                "size": m.file_bytes}
         return JSONResponse({"object": "list", "data": [
             {"id": engine.model_name, "aliases": engine.aliases, "tags": state.settings.tags, "object": "model",
              "created": engine.created, "owned_by": "specserve", "meta": meta}]})

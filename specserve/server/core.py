@@ -22,11 +22,10 @@ from specserve.engine.loading import load_with_draft
 from specserve.engine.runner import Runner, model_file
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.slots import SchedulerCounters, Slot
-from specserve.engine.tasks import Event, Task
+from specserve.engine.tasks import Cancellable, Event, Task
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import MetadataFile
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.model.config import ModelConfig
 from specserve.speculative.factory import build_chain
 from specserve.speculative.shared_suffix import SuffixStore
 
@@ -34,10 +33,6 @@ if TYPE_CHECKING:
     from specserve.server.settings import ServerSettings
 
 CoreJob = Callable[[Runner, Slot], Any]
-
-
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
 
 
 class EngineCore(Protocol):
@@ -51,6 +46,10 @@ class EngineCore(Protocol):
 
     def counters(self) -> SchedulerCounters: ...
 
+    def failure(self) -> str | None:
+        """Why the core cannot serve any more (its process died); None while it can."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -61,7 +60,9 @@ class ModelFacts:
     file: MetadataFile  # what the tokenizer, the chat template and /props read
     draft_path: Path | None
     n_ctx: int  # positions one slot may reach
-    config: ModelConfig
+    vocab_size: int
+    context_length: int  # the model's training context
+    hidden: int
     file_bytes: int
 
     @property
@@ -73,7 +74,8 @@ class ModelFacts:
         gguf = runner.gguf
         file = MetadataFile(path, dict(gguf.metadata) if gguf is not None else {})
         draft = model_file(draft_runner).path if draft_runner is not None else None
-        return cls(file, draft, runner.n_ctx, runner.config, runner.file_bytes)
+        cfg = runner.config
+        return cls(file, draft, runner.n_ctx, cfg.vocab_size, cfg.context_length, cfg.hidden, runner.file_bytes)
 
 
 def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner, Runner | None, Path]:
@@ -125,6 +127,9 @@ class LocalCore:
         if self.suffix_store is not None:
             c.shared_requests, c.shared_tokens = self.suffix_store.sizes()
         return c
+
+    def failure(self) -> str | None:
+        return None
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -29,6 +29,7 @@ from specserve.engine.tasks import Event, Failure, Result, Task
 from specserve.errors import SpecserveError
 from specserve.server import core_process
 from specserve.server.core import CoreJob, ModelFacts
+from specserve.server.errors import Unavailable
 from specserve.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class _RemoteHandle:
         self._task_id = task_id
 
     def cancel(self) -> None:
-        self._client._send(("cancel", self._task_id))
+        with contextlib.suppress(Unavailable):  # a core that is gone has ended the task already
+            self._client._send(("cancel", self._task_id))
 
 
 class CoreClient:
@@ -102,7 +104,7 @@ class CoreClient:
         self._emits[task.id] = emit
         try:
             self._send(("submit", sent, grammar))
-        except SpecserveError:
+        except Unavailable:
             del self._emits[task.id]
             raise
         return _RemoteHandle(self, task.id)
@@ -123,7 +125,7 @@ class CoreClient:
     def shutdown(self) -> None:
         """Drain the core (its open tasks end with a Failure) and wait for its process to exit."""
         if self._gone is None:
-            with contextlib.suppress(SpecserveError):
+            with contextlib.suppress(Unavailable):
                 self._send(("shutdown",))
             self._stopped.wait(15.0)
         self._process.join(10.0)
@@ -135,9 +137,12 @@ class CoreClient:
 
     # -- plumbing -------------------------------------------------------------------------------------
 
+    def failure(self) -> str | None:
+        return self._gone
+
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._gone is not None:
-            raise SpecserveError(self._gone)
+            raise Unavailable(self._gone)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self._out.send(data)

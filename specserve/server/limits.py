@@ -15,7 +15,7 @@ from typing import Any
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specserve.engine.tasks import TaskHandle
+from specserve.engine.tasks import Cancellable
 from specserve.errors import SpecserveError
 from specserve.server.errors import Unavailable, error_response
 from specserve.server.middleware import HttpMiddleware
@@ -77,7 +77,7 @@ class Ticket:
     """One admitted generation request, from admission until its response is complete."""
 
     admission: Admission
-    handles: list[TaskHandle] = field(default_factory=list)  # its tasks, once submitted to the scheduler
+    handles: list[Cancellable] = field(default_factory=list)  # its tasks, once submitted to the scheduler
     queue: asyncio.Queue[Any] | None = None  # where its events arrive
     interrupted: str | None = None  # why the server ended it before it was submitted
     weight: int = 1  # tasks it holds (a batch of prompts, n choices): what the queue limit counts
