@@ -116,6 +116,9 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params.validate()
+        # Each token is the argmax of its logits (greedy, no penalties), so a caller holding the argmax of many rows
+        # at once (one transfer for a whole batch) can pass them to `accept`. (Read per row of every step: kept.)
+        self.argmax_only = self.params.greedy and not self.params.penalized
         self._generator: torch.Generator | None = None
         self._window: deque[int] = deque()  # last repeat_last_n tokens of the history
         self._counts: dict[int, int] = {}  # token -> occurrences in _window
@@ -162,12 +165,6 @@ class Sampler:
             )
         sampled = logits.argmax(dim=-1).tolist() if self.argmax_only else self._sample_rows(logits, draft).tolist()
         return self.accept(sampled, draft)
-
-    @property
-    def argmax_only(self) -> bool:
-        """Each token is the argmax of its logits (greedy, no penalties), so a caller holding the
-        argmax of many rows at once (one transfer for a whole batch) can pass them to `accept`."""
-        return self.params.greedy and not self.params.penalized
 
     def accept(self, sampled: list[int], draft: list[int]) -> list[int]:
         """Token i sampled from row i (as if draft[:i] were accepted) -> the accepted draft prefix

@@ -286,6 +286,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             slot.t_start = time.perf_counter()
             slot.sampler = Sampler(task.sampling)
             slot.sampler.reset(task.prompt)
+            slot.note_task_kind()
             slot.stream = TextStream(self.tokenizer, task.stop, task.keep_special)
             self._prepare_chain(slot, task.spec)
             if task.prediction:

@@ -59,14 +59,19 @@ class Slot:
         h = self.handle
         return h is not None and h.task.id == task_id and not h.cancelled
 
+    argmax_task: bool = False  # the current task needs only argmax rows (set at its start: greedy_only)
+
     @property
     def greedy_only(self) -> bool:
         """The task needs only each row's argmax (no sampling, no probabilities, no grammar mask, no logit
         bias): its steps can be chained."""
-        if self.sampler is None or not self.sampler.argmax_only or self.handle is None:
-            return False
-        task = self.handle.task
-        return task.n_probs == 0 and task.constraint is None and task.logit_bias is None
+        return self.argmax_task and self.handle is not None
+
+    def note_task_kind(self) -> None:
+        """(At a task's start, its sampler made.) What greedy_only reads, once per task instead of per row."""
+        task = self.task
+        self.argmax_task = (self.sampler is not None and self.sampler.argmax_only and task.n_probs == 0
+                            and task.constraint is None and task.logit_bias is None)
 
     def to_json(self, n_ctx: int) -> dict[str, object]:
         """The slot as llama-server's /slots shows it: `next_token` a list of one object, and `params` only
