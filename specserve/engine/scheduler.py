@@ -33,7 +33,7 @@ from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight, Plan
 from specserve.engine.step_trace import TRACE
-from specserve.engine.tasks import Event, Failure, Task, TaskHandle
+from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
@@ -41,17 +41,6 @@ from specserve.model.batch import common_prefix
 
 log = logging.getLogger(__name__)
 
-
-
-def check_task(task: Task, n_ctx: int, speculates: bool) -> None:
-    """SpecserveError for a task no slot of n_ctx positions can run (speculates: the scheduler has speculators)."""
-    if not task.prompt:
-        raise SpecserveError("the prompt is empty")
-    if len(task.prompt) >= n_ctx:
-        raise SpecserveError(f"the prompt ({len(task.prompt)} tokens) does not fit the slot context "
-                             f"({n_ctx} tokens, one of them for the first generated token)")
-    if task.spec.n_max > 0 and task.spec.type != "none" and not speculates:
-        raise SpecserveError("this scheduler has no speculators")
 
 
 class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):

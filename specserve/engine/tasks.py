@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from specserve.engine.constraints import Constraint
 from specserve.engine.logit_bias import LogitBias
 from specserve.engine.sampling import SamplingParams
+from specserve.errors import SpecserveError
 from specserve.speculative.base import SpecParams
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,17 @@ class Task:
             "speculative.ngram_size_m": p.ngram_size_m, "speculative.ngram_c_rate": p.ngram_check_rate,
             "speculative.ngram_m_hits": p.ngram_min_hits,
         }
+
+
+def check_task(task: Task, n_ctx: int, speculates: bool) -> None:
+    """SpecserveError for a task no slot of n_ctx positions can run (speculates: the scheduler has speculators)."""
+    if not task.prompt:
+        raise SpecserveError("the prompt is empty")
+    if len(task.prompt) >= n_ctx:
+        raise SpecserveError(f"the prompt ({len(task.prompt)} tokens) does not fit the slot context "
+                             f"({n_ctx} tokens, one of them for the first generated token)")
+    if task.spec.n_max > 0 and task.spec.type != "none" and not speculates:
+        raise SpecserveError("this scheduler has no speculators")
 
 
 # ---- what flows back to the requester ------------------------------------------------------------

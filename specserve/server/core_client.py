@@ -23,9 +23,8 @@ from typing import Any
 
 import zmq
 
-from specserve.engine.scheduler import check_task
 from specserve.engine.slots import SchedulerCounters
-from specserve.engine.tasks import Event, Failure, Result, Task
+from specserve.engine.tasks import Event, Failure, Result, Task, check_task
 from specserve.errors import SpecserveError
 from specserve.server import core_process
 from specserve.server.core import CoreJob, ModelFacts
@@ -45,8 +44,7 @@ class _RemoteHandle:
         self._task_id = task_id
 
     def cancel(self) -> None:
-        with contextlib.suppress(Unavailable):  # a core that is gone has ended the task already
-            self._client._send(("cancel", self._task_id))
+        self._client.cancel(self._task_id)
 
 
 class CoreClient:
@@ -108,6 +106,10 @@ class CoreClient:
             del self._emits[task.id]
             raise
         return _RemoteHandle(self, task.id)
+
+    def cancel(self, task_id: int) -> None:
+        with contextlib.suppress(Unavailable):  # a core that is gone has ended the task already
+            self._send(("cancel", task_id))
 
     def submit_job(self, work: CoreJob, slot: int | None = None) -> Future[Any]:
         if slot is not None and not 0 <= slot < self.settings.n_parallel:

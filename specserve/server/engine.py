@@ -1,4 +1,5 @@
-"""The served model: runners, tokenizer and scheduler, plus request -> Task translation.
+"""The served model as the HTTP front sees it: its facts, tokenizer and engine core (core.py), plus request ->
+Task translation.
 
 Everything here is independent of HTTP: it raises SpecserveError for bad input, which the
 app turns into a 400.
