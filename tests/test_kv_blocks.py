@@ -131,3 +131,46 @@ def test_a_shared_prefix_is_held_once_and_copied_on_write() -> None:
     admitted = ledger.admit(step, None)
     assert admitted.copies == [(ledger.blocks.tables[0][2], ledger.blocks.tables[1][2])]
     assert ledger.blocks.tables[0][:2] == ledger.blocks.tables[1][:2] and ledger.blocks.free == 0
+
+
+def test_batch_runs_known_as_built_match_the_computed_ones():
+    """add_sequence/add_row keep the runs as the batch grows; they must equal those read from its rows."""
+    from specserve.model.batch import Batch
+
+    def computed(b: Batch) -> list[tuple[int, int, int, int]]:
+        return Batch(list(b.tokens), list(b.positions), list(b.seq_ids), list(b.want_logits)).runs()
+
+    b = Batch()
+    b.add_sequence([1, 2, 3], 5, 0, "last")
+    b.add_row(7, 9, 1, True)
+    b.add_sequence([4, 5], 8, 0 + 2, "all")
+    b.add_sequence([6], 10, 2, "none")  # continues seq 2's run: one run
+    assert b.gapless and b.runs() == computed(b) == [(0, 0, 3, 8), (1, 3, 4, 10), (2, 4, 7, 11)]
+    b.add_sequence([8], 20, 2, "none")  # a gap in seq 2: no longer known, computed from the rows
+    assert not b.gapless and b.runs() == computed(b)
+    c = Batch()
+    c.add(1, 0, 0)
+    assert not c.gapless and c.runs() == [(0, 0, 1, 1)]
+    assert not Batch([1], [0], [0], [True]).gapless
+
+
+def test_ledger_still_refuses_a_gap_in_a_built_batch():
+    import pytest
+
+    from specserve.errors import SpecserveError
+    from specserve.model.batch import Batch
+    from specserve.model.kv_ledger import KVLedger
+
+    ledger = KVLedger(2, 64, 100)
+    ok = Batch()
+    ok.add_sequence([1, 2], 0, 0)
+    ledger.admit(ok, None)
+    gap = Batch()
+    gap.add_sequence([3], 1, 0)
+    gap.add_sequence([4], 3, 0)  # position 2 skipped
+    with pytest.raises(SpecserveError, match="without gaps"):
+        ledger.admit(gap, None)
+    late = Batch()
+    late.add_row(5, 4, 1, True)  # sequence 1 holds nothing: position 4 leaves a gap
+    with pytest.raises(SpecserveError, match="without gaps"):
+        ledger.admit(late, None)

@@ -89,12 +89,11 @@ class SlotMemory:
         self._evict_idle(room, 0 if room.plenty else room.blocks.need(seq, start, start + want))
         return room.grow(seq, start, 0, want)
 
-    def _plan_reading(self, plan: Plan, chained: set[int], room: KVRoom) -> None:
-        """Prompt chunks (and preempted slots' tokens read again) share what is left of n_batch, but always get a
-        share so they never starve; oldest task first, each as far as the pool allows."""
+    def _plan_reading(self, plan: Plan, reading: list[Slot], room: KVRoom) -> None:
+        """Prompt chunks (and preempted slots' tokens read again) of the reading slots share what is left of
+        n_batch, but always get a share so they never starve; oldest task first, each as far as the pool allows."""
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
-        reading = sorted((s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
-                          and s.handle is not None and s.id not in chained), key=lambda s: s.t_start)
+        reading = sorted(reading, key=lambda s: s.t_start)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         for slot in reading:
             replay = slot.state == SlotState.RESUMING

@@ -208,7 +208,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         # launch it before handing out this step's events, whose readers would hold the GIL meanwhile.
         self._outbox = []
         try:
-            self._settle(current)
+            self._settle(current, live)
             if self._in_flight is None and self.overlap and not (self._jobs and self._job_ready()):
                 self._in_flight = self._launch(self._plan(None))
         finally:
@@ -335,15 +335,20 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
         # A slot whose step in flight carries a draft drafts again only once that draft is verified.
-        drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed if not e.prompt and e.n_rows == 1]
-                              + [(s, s.n_decoded, 0) for s in decoding])
+        drafts: dict[int, list[int] | None] = {}
+        if self._drafts_allowed:
+            drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed
+                                   if not e.prompt and e.n_rows == 1] + [(s, s.n_decoded, 0) for s in decoding])
         for e in fed:
             self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)
         for slot in decoding:
-            self._plan_decode(plan, slot, drafts[slot.id], room)
-        self._plan_reading(plan, chained, room)
-        waiting = any(s.handle is not None and s.state in (SlotState.PROMPT, SlotState.RESUMING) for s in self.slots)
-        if not plan.entries and in_flight is None and waiting and self._preempt_youngest() is not None:
+            self._plan_decode(plan, slot, drafts.get(slot.id, []), room)
+        reading = [s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
+                   and s.handle is not None and s.id not in chained]
+        if reading:
+            self._plan_reading(plan, reading, room)
+        # (with no step in flight nothing is chained: `reading` holds every reading slot)
+        if not plan.entries and in_flight is None and reading and self._preempt_youngest() is not None:
             return self._plan(None)  # every reading slot waits for room that only a running one can give
         return plan
 

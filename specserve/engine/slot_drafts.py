@@ -54,8 +54,10 @@ class SlotDrafts:
         """The drafts of a step's slots, by slot id, all asked at once (`draft_chains`: the draft model drafts
         for them together). An ask is (slot, tokens decoded when the step lands, ahead: positions already taken
         past the slot's last token, the fed one, which a draft's first token stands for). None: drafting raised
-        and the slot's task has failed."""
+        and the slot's task has failed; a slot left out has no draft."""
         wanted = []
+        drafts: dict[int, list[int] | None] = {}
+        asks = [ask for ask in asks if ask[0].use_chain]
         # Chained drafts share DRAFT_ROWS rows a step (with hundreds of slots a floor per slot would crowd out
         # the prompt chunks); which slots get them rotates from step to step.
         budget = DRAFT_ROWS if self._chain_drafts else None
@@ -68,7 +70,6 @@ class SlotDrafts:
                 budget -= limit - ahead if limit is not None else 0
             if limit is not None and slot.chain is not None:
                 wanted.append((slot, (slot.chain, slot.cache, slot.last, limit, slot.task.spec.n_min + ahead)))
-        drafts: dict[int, list[int] | None] = {slot.id: [] for slot, _, _ in asks}
         try:
             for (slot, _), draft in zip(wanted, draft_chains([ask for _, ask in wanted]), strict=True):
                 drafts[slot.id] = draft

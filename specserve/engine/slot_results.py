@@ -44,8 +44,9 @@ class SlotResults:
         else:
             handle.emit(event)
 
-    def _settle(self, flight: InFlight) -> None:
-        live = flight.live()
+    def _settle(self, flight: InFlight, live: list[Entry]) -> None:
+        """Verify and hand out the step's rows (live: its entries that were current when the next step was
+        planned; each is checked again, as a failed launch since may have ended its task)."""
         if not live:
             return
         greedy = [e.slot.greedy_only for e in live]

@@ -9,7 +9,7 @@ from specserve.engine.slots import Slot
 from specserve.model.batch import Batch
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One slot's rows in a step."""
 
@@ -49,16 +49,22 @@ class Plan:
     n_logits: int = 0
 
     def _add(self, entry: Entry, fed_row: int) -> None:
-        self.fed.extend([fed_row] + [-1] * (entry.n_rows - 1))
+        self.fed.append(fed_row)
+        if entry.n_rows > 1:
+            self.fed.extend([-1] * (entry.n_rows - 1))
         self.entries.append(entry)
         self.n_logits += entry.n_logits
 
     def add_decode(self, slot: Slot, position: int, first: int, draft: list[int], fed_row: int = -1,
                    guess: int | None = None) -> None:
         """Rows [first, *draft] at position..; fed_row >= 0: first is the previous step's argmax at that row."""
-        entry = Entry(slot, slot.task.id, len(self.batch), 1 + len(draft), self.n_logits, prompt=False,
-                      draft=draft, guess=guess, position=position)
-        self.batch.add_sequence([first, *draft], position, slot.id, "all")
+        assert slot.handle is not None
+        entry = Entry(slot, slot.handle.task.id, len(self.batch), 1 + len(draft), self.n_logits, False, False,
+                      False, draft, guess, position)
+        if draft:
+            self.batch.add_sequence([first, *draft], position, slot.id, "all")
+        else:
+            self.batch.add_row(first, position, slot.id, True)
         self._add(entry, fed_row)
 
     def add_prompt(self, slot: Slot, chunk: list[int], start: int, final: bool, replay: bool = False) -> None:

@@ -11,6 +11,9 @@ class Batch:
 
     tokens[i] is evaluated at positions[i] of sequence seq_ids[i]; logits are returned for
     the rows where want_logits[i] is true, in row order.
+
+    A batch built from empty by add_sequence() alone knows its runs as it grows, each of consecutive positions
+    (`gapless`): runs() and the ledger's checks then cost nothing per row.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -18,7 +21,29 @@ class Batch:
     seq_ids: list[int] = field(default_factory=list)
     want_logits: list[bool] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._runs: list[tuple[int, int, int, int]] | None = None if self.tokens else []
+
+    @property
+    def gapless(self) -> bool:
+        """Each run's positions are consecutive (known from how the batch was built; False: not known)."""
+        return self._runs is not None
+
     def add(self, token: int, position: int, seq: int, logits: bool = False) -> None:
+        self._runs = None
+        self.tokens.append(token)
+        self.positions.append(position)
+        self.seq_ids.append(seq)
+        self.want_logits.append(logits)
+
+    def add_row(self, token: int, position: int, seq: int, logits: bool) -> None:
+        """A run of one row (a decode step's): add_sequence([token], position, seq, ...) without its lists."""
+        runs = self._runs
+        if runs is not None:
+            if runs and runs[-1][0] == seq:
+                self._runs = None
+            else:
+                runs.append((seq, len(self.tokens), len(self.tokens) + 1, position + 1))
         self.tokens.append(token)
         self.positions.append(position)
         self.seq_ids.append(seq)
@@ -27,6 +52,16 @@ class Batch:
     def add_sequence(self, tokens: list[int], start_pos: int, seq: int, logits: str = "last") -> None:
         """Append consecutive tokens of one sequence; logits for "last", "all" or "none" rows."""
         n = len(tokens)
+        runs = self._runs
+        if runs is not None and n:
+            if runs and runs[-1][0] == seq:  # one run in two spans: one, if the second continues the first
+                _, first, _, kv_len = runs[-1]
+                if start_pos == kv_len:
+                    runs[-1] = (seq, first, len(self.tokens) + n, start_pos + n)
+                else:
+                    self._runs = None
+            else:
+                runs.append((seq, len(self.tokens), len(self.tokens) + n, start_pos + n))
         self.tokens.extend(tokens)
         self.positions.extend(range(start_pos, start_pos + n))
         self.seq_ids.extend([seq] * n)
@@ -39,6 +74,8 @@ class Batch:
 
     def runs(self) -> list[tuple[int, int, int, int]]:
         """(seq, start_row, end_row, kv_len) per block of consecutive rows of one sequence."""
+        if self._runs is not None:
+            return list(self._runs)
         out: list[tuple[int, int, int, int]] = []
         start = 0
         n = len(self.tokens)

@@ -61,11 +61,12 @@ class KVLedger:
     def check(self, batch: Batch, runs: list[tuple[int, int, int, int]], fed: Sequence[int] | None) -> None:
         if len(batch) == 0:
             raise SpecserveError("empty batch")
-        if len(batch.logit_rows()) > MAX_LOGIT_ROWS:
+        if batch.want_logits.count(True) > MAX_LOGIT_ROWS:
             raise SpecserveError(f"a step may want the logits of at most {MAX_LOGIT_ROWS} rows")
         if fed is not None and (len(fed) != len(batch) or max(fed, default=-1) >= self.last_rows):
             raise SpecserveError("fed rows must name rows of the step launched before")
         seen: set[int] = set()
+        gapless = batch.gapless  # (built run by run: no per-row check)
         # A run takes at most a block a 16 positions, one more where it starts mid-block, one copied where it
         # starts in a shared block: with that many free, the exact count is not needed (the step path).
         exact = self.blocks.free < len(batch) // self.blocks.block_size + 3 * len(runs)
@@ -76,13 +77,14 @@ class KVLedger:
             if seq in seen:
                 raise SpecserveError(f"rows of sequence {seq} are not consecutive in the batch")
             seen.add(seq)
-            pos = batch.positions[start:end]
-            if pos[0] > self.seq_len[seq] or pos != list(range(pos[0], pos[0] + len(pos))):
+            first = batch.positions[start]
+            if first > self.seq_len[seq] or not gapless and (
+                    batch.positions[start:end] != list(range(first, first + end - start))):
                 raise SpecserveError(f"positions of sequence {seq} must continue its cache without gaps")
             if kv_len > self.n_ctx:
                 raise SpecserveError(f"sequence {seq} would exceed the context size ({self.n_ctx})")
             if exact:
-                need += self.blocks.need(seq, pos[0], kv_len)
+                need += self.blocks.need(seq, first, kv_len)
         if need > self.blocks.free:
             raise KVCacheFull(f"the KV cache is full: the step needs {need} free blocks, {self.blocks.free} are left")
         if not 0 <= min(batch.tokens) <= max(batch.tokens) < self.vocab_size:  # (C loops: on the step path)
