@@ -6,7 +6,8 @@ speculative modes is the host's own work (planning, drafting, verifying, streami
 
 Each of N clients submits --requests greedy tasks one after another; a sequence's "model" continues its own
 prompt (the text repeats, as code edits do), so drafts are right where they run. Prints tok/s per mode and
-client count; writes JSON (-o, default scheduler_sim.json in the cache's benchmarks folder).
+client count, and the scheduler thread's CPU microseconds per token (`--step-ms 0 --row-ms 0`: the host's
+cost alone); writes JSON (-o, default scheduler_sim.json in the cache's benchmarks folder).
 """
 
 from __future__ import annotations
@@ -95,13 +96,22 @@ class FakeRunner:
         return {"weights_bytes": 0, "kv_bytes": 0}
 
 
-def run(mode: str, clients: int, requests: int, n_predict: int, step_ms: float, row_ms: float) -> float:
+def run(mode: str, clients: int, requests: int, n_predict: int, step_ms: float, row_ms: float) -> tuple[float, float]:
+    """(tok/s, CPU microseconds of the scheduler's thread per generated token: its host work, less noisy than
+    the wall time on a busy box)"""
     rng = random.Random(0)
     base = [rng.randrange(VOCAB) for _ in range(300)]
     texts = [base[i:] + base[:i] for i in range(clients)]
     runner = FakeRunner(texts, 2048, step_ms, row_ms)
     spec = SpecParams(type=mode) if mode != "none" else SpecParams(n_max=0)
     sched = Scheduler(runner, StandInTokenizer(), chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
+    cpu = [0.0, 0.0]  # the loop thread's CPU time at its first and latest turn
+
+    def note_cpu() -> None:
+        cpu[1] = time.thread_time()
+        cpu[0] = cpu[0] or cpu[1]
+
+    sched.after_turn = note_cpu
     sched.start()
 
     def client(i: int) -> None:
@@ -124,7 +134,8 @@ def run(mode: str, clients: int, requests: int, n_predict: int, step_ms: float, 
         t.join()
     wall = time.perf_counter() - t0
     sched.shutdown()
-    return clients * requests * n_predict / wall
+    tokens = clients * requests * n_predict
+    return tokens / wall, (cpu[1] - cpu[0]) / tokens * 1e6
 
 
 def main() -> None:
@@ -140,9 +151,10 @@ def main() -> None:
     rows = []
     for clients in (int(c) for c in args.clients.split(",")):
         for mode in args.modes.split(","):  # modes side by side at each level: load changes hit both alike
-            tok_s = run(mode, clients, args.requests, args.n_predict, args.step_ms, args.row_ms)
-            rows.append({"mode": mode, "clients": clients, "tok_s": round(tok_s, 1)})
-    print_table(rows, ["mode", "clients", "tok_s"])
+            tok_s, us = run(mode, clients, args.requests, args.n_predict, args.step_ms, args.row_ms)
+            rows.append({"mode": mode, "clients": clients, "tok_s": round(tok_s, 1),
+                         "sched_us_per_token": round(us, 2)})
+    print_table(rows, ["mode", "clients", "tok_s", "sched_us_per_token"])
     write_json(output_path(args.output, "scheduler_sim.json"), {"args": vars(args), "rows": rows})
 
 
