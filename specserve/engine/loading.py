@@ -3,6 +3,7 @@ remote host (`--remote ADDR`: remote/client.py), where the model names are resol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from specserve import catalog
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.runner import Runner, model_file
 from specserve.engine.tp_runner import start_tensor_parallel
+from specserve.errors import NotSupported
 from specserve.gguf.vocab_check import check_vocab_compatible
 from specserve.remote.client import RemoteRunner
 from specserve.remote.protocol import STEP_TIMEOUT
@@ -24,15 +26,20 @@ class RemoteOptions:
 
 
 def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,
-                    tensor_parallel: int = 1, **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
+                    tensor_parallel: int = 1, adapters: Sequence[str | Path] = (),
+                    **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
     """The target's runner, the draft's if a draft model is given (same settings, context and KV size,
     vocabulary checked against the target's), and the target's path (on the host, for a remote one).
-    tensor_parallel > 1: the target split over that many ranks (tp_runner.py); the draft runs on rank 0 alone."""
+    tensor_parallel > 1: the target split over that many ranks (tp_runner.py); the draft runs on rank 0 alone.
+    adapters: LoRA adapter files for the target (a local runner on one device only)."""
+    if adapters and (remote is not None or tensor_parallel > 1):
+        raise NotSupported("LoRA adapters (--lora) need the model on this machine's one device: not with --remote "
+                           "or --tensor-parallel")
     if remote is not None:
         return _load_remote(model or catalog.DEFAULT_MODEL, draft, remote, **runner_args)
     path = catalog.resolve(model)
     runner: LocalRunner = (start_tensor_parallel(path, tensor_parallel, **runner_args) if tensor_parallel > 1
-                           else LocalRunner(path, **runner_args))
+                           else LocalRunner(path, adapters=adapters, **runner_args))
     if draft is None:
         return runner, None, path
     draft_runner = LocalRunner(catalog.resolve(draft), **{**runner_args, "n_ctx": runner.n_ctx})

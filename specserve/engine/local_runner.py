@@ -11,7 +11,7 @@ import torch
 
 from specserve.engine.cuda_graphs import PROMPT_ROWS, RING_ROWS, GraphCache, feed_tokens
 from specserve.engine.host_copy import LaunchedStep
-from specserve.errors import SpecserveError
+from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS
@@ -21,6 +21,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.kv_blocks import BLOCK_SIZE
 from specserve.model.kv_cache import PagedKV
 from specserve.model.kv_ledger import KVLedger
+from specserve.model.lora import AdapterScales, attach_adapters, read_adapter
 from specserve.model.registry import read_config
 from specserve.model.transformer import Transformer
 from specserve.model.weights import (
@@ -101,11 +102,13 @@ class LocalRunner:
         cuda_graphs: bool = True,
         weight_format: str = "auto",
         mmap: bool = True,
+        adapters: Sequence[str | Path] = (),
     ):
         """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": packed on a CPU with the packed-weight
         kernel, else "float": every matrix
         in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA).
-        mmap=False reads the file's tensors into memory first (llama-server's --no-mmap)."""
+        mmap=False reads the file's tensors into memory first (llama-server's --no-mmap). adapters: LoRA adapter
+        files (model/lora.py), each sequence's scales 0 until set_adapter_scales."""
         gguf = GGUFFile(model_path, mmap=mmap)
         config = read_config(gguf.metadata, set(gguf.tensor_names()))
         dev = checked_device(device)
@@ -114,6 +117,8 @@ class LocalRunner:
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
         self._setup(config, weights, n_seqs, n_ctx, cuda_graphs, kv_size)
         self.gguf: GGUFFile | None = gguf
+        if adapters:
+            self.adapters = attach_adapters(self.model, config, [read_adapter(p) for p in adapters], n_seqs)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1, n_ctx: int | None = None,
@@ -141,6 +146,7 @@ class LocalRunner:
         self.n_ctx = min(self.n_ctx, kv_size or self.n_ctx)  # one sequence may hold the whole pool, no more
         self.n_seqs = n_seqs
         self.model = self._build_model(config, weights)
+        self.adapters: AdapterScales | None = None
         cfg = config
         use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
                       and triton_enabled(weights.embed))
@@ -239,6 +245,12 @@ class LocalRunner:
         of the two writes into one of them."""
         self.ledger.copy(src, dst)
         self.kv.set_table(dst, self.ledger.blocks.tables[dst])
+
+    def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
+        if self.adapters is not None:
+            self.adapters.set(seq, scales)
+        elif scales:
+            raise NotSupported("this runner has no LoRA adapters (--lora)")
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Eager (no graph captures it: embeddings are off the decode path); fp32 [wanted rows, hidden]."""

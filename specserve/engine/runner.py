@@ -76,6 +76,11 @@ class Runner(Protocol):
 
     def kv_copy(self, src: int, dst: int) -> None: ...
 
+    def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
+        """The sequence's scale per LoRA adapter from its next step on (): none); a runner without adapters
+        raises errors.NotSupported for scales."""
+        ...
+
     # Not on the decode path (embeddings, slot files); a runner that cannot raises errors.NotSupported.
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:

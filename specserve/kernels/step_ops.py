@@ -13,8 +13,10 @@ from typing import Protocol
 import torch
 
 from specserve.kernels import batch_invariant
+from specserve.kernels.activation import silu_mul
 from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.linear import dense_copy, linear
+from specserve.kernels.low_rank import LowRank, with_low_rank
 from specserve.kernels.quant_weight import MAX_SLICED_ROWS, QuantWeight, Weight
 from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
 from specserve.kernels.rope import RopeWrite, rope_and_cache
@@ -47,11 +49,17 @@ def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
 
 
 def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tuple[torch.Tensor, float] | None = None,
-                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+                 add_to: torch.Tensor | None = None,
+                 adapters: tuple[LowRank | None, LowRank | None, torch.Tensor] | None = None) -> torch.Tensor:
     """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where both products are `fusable`,
     SwiGLU runs in gate_up's output (down then stages plain activations), and norm / add_to fold in as
     in linear_fused; elsewhere SwiGLU runs in down's input (norm and add_to are then not allowed).
-    Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values."""
+    Both ways round gate, up, silu(gate) and the product to bf16 alike: the same values. adapters: the two
+    products' LowRank and the rows' adapter scales (composed, never fused)."""
+    if adapters is not None:
+        gate_up, down, scales = adapters
+        act = silu_mul(with_low_rank(linear(x, w_gate_up), x, gate_up, scales))
+        return with_low_rank(linear(act, w_down), act, down, scales)
     if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
         assert isinstance(w_gate_up, QuantWeight) and isinstance(w_down, QuantWeight)  # (fusable: packed)
         from specserve.kernels import quant_cuda
@@ -73,6 +81,7 @@ class ResidualStream:
         self.residual = x
         self.pending: torch.Tensor | None = None
         self.fused = fused
+        self.adapter_scales: torch.Tensor | None = None  # [rows, n_adapters] where adapters are loaded (low_rank.py)
 
     def normed(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of the stream, with the pending output added first (unfused ops)."""
@@ -93,6 +102,8 @@ class ResidualStream:
         self.residual = self.residual[rows]
         if self.pending is not None:
             self.pending = self.pending[rows]
+        if self.adapter_scales is not None:
+            self.adapter_scales = self.adapter_scales[rows]
 
 
 @dataclass
@@ -112,11 +123,12 @@ class NormQKVRope:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    adapters: LowRank | None = None
 
     def fusable(self, x: torch.Tensor) -> bool:
         """The epilogue rotates whole heads of a multiple of 16 values and has no per-head RMSNorm."""
         rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
-                   and self.style in ("neox", "interleaved"))
+                   and self.style in ("neox", "interleaved") and self.adapters is None)
         return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, slots: torch.Tensor,
@@ -128,7 +140,8 @@ class NormQKVRope:
                              self.style)
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
             return q.view(n, self.n_heads, self.head_dim)
-        qkv = linear(stream.normed(self.norm, self.eps), self.w, self.bias)
+        h = stream.normed(self.norm, self.eps)
+        qkv = with_low_rank(linear(h, self.w, self.bias), h, self.adapters, stream.adapter_scales)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(n, self.n_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
@@ -143,16 +156,17 @@ class LinearAdd:
     """stream += x @ w^T: the product that ends a sub-layer (attention's output matrix)."""
 
     w: Weight
+    adapters: LowRank | None = None
 
     def fusable(self, x: torch.Tensor) -> bool:
-        return fusable(x, self.w)
+        return self.adapters is None and fusable(x, self.w)
 
     def __call__(self, stream: ResidualStream, x: torch.Tensor) -> None:
         if stream.fused:
             assert isinstance(self.w, QuantWeight)  # a fused step's ops are fusable: packed
             linear_fused(x, self.w, add_to=stream.residual)
         else:
-            stream.add(linear(x, self.w))
+            stream.add(with_low_rank(linear(x, self.w), x, self.adapters, stream.adapter_scales))
 
 
 @dataclass
@@ -163,9 +177,12 @@ class NormFeedForwardAdd:
     eps: float
     w_gate_up: Weight
     w_down: Weight
+    gate_up_adapters: LowRank | None = None
+    down_adapters: LowRank | None = None
 
     def fusable(self, x: torch.Tensor) -> bool:
-        return (fusable(x, self.w_gate_up, norm_input=True) and fusable(x, self.w_down)
+        return (self.gate_up_adapters is None and self.down_adapters is None
+                and fusable(x, self.w_gate_up, norm_input=True) and fusable(x, self.w_down)
                 and self.w_gate_up.shape[0] % 16 == 0 and self.norm.dtype == torch.bfloat16)
 
     def __call__(self, stream: ResidualStream) -> None:
@@ -173,7 +190,10 @@ class NormFeedForwardAdd:
             feed_forward(stream.residual, self.w_gate_up, self.w_down, norm=(self.norm, self.eps),
                          add_to=stream.residual)
         else:
-            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down))
+            scales = stream.adapter_scales
+            adapters = None if scales is None else (self.gate_up_adapters, self.down_adapters, scales)
+            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down,
+                                    adapters=adapters))
 
 
 @dataclass
@@ -185,11 +205,15 @@ class NormLinear:
     eps: float
     w: Weight
     out_dtype: torch.dtype | None = None
+    adapters: LowRank | None = None
 
     def __call__(self, stream: ResidualStream) -> torch.Tensor:
-        if stream.fused and isinstance(self.w, QuantWeight) and fusable(stream.residual, self.w, norm_input=True):
+        if (stream.fused and self.adapters is None and isinstance(self.w, QuantWeight)
+                and fusable(stream.residual, self.w, norm_input=True)):
             return linear_fused(stream.residual, self.w, norm=(self.norm, self.eps), out_dtype=self.out_dtype)
-        return linear(stream.normed(self.norm, self.eps), self.w, out_dtype=self.out_dtype)
+        h = stream.normed(self.norm, self.eps)
+        y = linear(h, self.w, out_dtype=self.out_dtype)
+        return with_low_rank(y, h, self.adapters, stream.adapter_scales)
 
 
 class StepOp(Protocol):

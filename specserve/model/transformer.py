@@ -23,11 +23,20 @@ class Transformer:
         self.layers = [decoder_layer(config, i, lw, rope) for i, lw in enumerate(weights.layers)]
         self.head = OutputHead(config, weights)
         self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
+        self.adapter_scales: torch.Tensor | None = None  # [sequences + 1, adapters] (model/lora.py)
+
+    def use_adapters(self, scales: torch.Tensor) -> None:
+        """Steps read each row's adapter scales from `scales` by sequence id; the products that have adapters no
+        longer fuse, so the step fusion is decided again."""
+        self.adapter_scales = scales
+        self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
 
     def _stream(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                 logit_rows: torch.Tensor | None, runs: Runs, kv: KVStep) -> ResidualStream:
         kv.note_rows(positions, seq_ids)
         stream = self.input_stream(tokens)
+        if self.adapter_scales is not None:
+            stream.adapter_scales = self.adapter_scales[seq_ids]
         for layer in self.layers:
             layer(stream, positions, seq_ids, runs, kv)
         stream.keep_rows(logit_rows)

@@ -245,6 +245,10 @@ class RemoteRunner:
         self.ledger.copy(src, dst)
         self._acks.add(self._send("kv_copy", src=src, dst=dst))
 
+    def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
+        if scales:
+            raise NotSupported("LoRA adapters are not supported with --remote")
+
     # The protocol has no commands for these yet (they would carry hidden states and whole caches).
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         raise NotSupported("embeddings are not supported with --remote (the remote protocol has no such command)")
