@@ -89,6 +89,8 @@ class LocalRunner:
     """Runs forward passes for up to `n_seqs` sequences of at most `n_ctx` positions each, which share a KV pool
     of `kv_size` positions (default: n_seqs * n_ctx)."""
 
+    adapters: AdapterScales | None  # LoRA adapters' scales per sequence (None: no adapters loaded)
+
     def __init__(
         self,
         model_path: str | Path,
@@ -146,7 +148,7 @@ class LocalRunner:
         self.n_ctx = min(self.n_ctx, kv_size or self.n_ctx)  # one sequence may hold the whole pool, no more
         self.n_seqs = n_seqs
         self.model = self._build_model(config, weights)
-        self.adapters: AdapterScales | None = None
+        self.adapters = None
         cfg = config
         use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
                       and triton_enabled(weights.embed))
