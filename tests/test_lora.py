@@ -138,3 +138,11 @@ def test_bad_adapter_files(smollm_path: Path, tmp_path: Path) -> None:
         _runner(smollm_path, [wrong])
     with pytest.raises(NotSupported, match="no LoRA adapters"):
         _runner(smollm_path).set_adapter_scales(0, (1.0,))
+
+
+def test_adapters_need_a_local_runner() -> None:
+    from specserve.engine.loading import RemoteOptions, load_with_draft
+
+    for where in ({"tensor_parallel": 2}, {"remote": RemoteOptions("unix:/nonexistent")}):
+        with pytest.raises(NotSupported, match="not with --remote or --tensor-parallel"):
+            load_with_draft("smollm2-135m", None, adapters=["x.gguf"], **where)

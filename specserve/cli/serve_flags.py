@@ -31,6 +31,27 @@ def _pair(g: argparse._ArgumentGroup, on: list[str], off: list[str], dest: str, 
     g.add_argument(*off, dest=dest, action="store_false", help=argparse.SUPPRESS)
 
 
+class _LoraFiles(argparse.Action):
+    """--lora FNAME[,FNAME...] (scale 1) and --lora-scaled FNAME:SCALE[,...] into one list, in the order given
+    (an adapter's id is its place in it, as llama-server numbers them)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option: str | None = None) -> None:
+        files: list[tuple[str, float]] = list(getattr(namespace, self.dest) or [])
+        for item in str(values).split(","):
+            path, scale = item, 1.0
+            if option == "--lora-scaled":
+                path, _, text = item.rpartition(":")
+                try:
+                    scale = float(text)
+                except ValueError:
+                    raise argparse.ArgumentError(self, f"{item!r} is not FNAME:SCALE") from None
+            if not path:
+                raise argparse.ArgumentError(self, f"{item!r} names no file")
+            files.append((path, scale))
+        setattr(namespace, self.dest, files)
+
+
 def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     _pair(g, ["--mmap"], ["--no-mmap"], "mmap", True,
           "read the GGUF through a memory map (default); --no-mmap reads its tensors into memory first")
@@ -59,6 +80,12 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--spec-replace", nargs=2, action="append", default=[], metavar=("TARGET", "DRAFT"),
                    help="accepted: no effect, as a draft model must share the target's vocabulary here")
     g.add_argument("--tags", default=None, help="model tags, comma-separated (informational: /v1/models)")
+    g.add_argument("--lora", action=_LoraFiles, dest="lora", default=[], metavar="FNAME",
+                   help="a LoRA adapter (llama.cpp's GGUF adapter file) at scale 1; repeat or comma-separate")
+    g.add_argument("--lora-scaled", action=_LoraFiles, dest="lora", metavar="FNAME:SCALE",
+                   help="a LoRA adapter at a scale of its own; repeat or comma-separate")
+    g.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters at scale 0 (POST /lora-adapters or a request's lora field applies them)")
 
 
 def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +96,6 @@ def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
     return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots,
             "endpoint_metrics": args.endpoint_metrics, "context_shift": args.context_shift, "webui": args.webui,
-            "tags": tags,
+            "tags": tags, "lora": [(path, 0.0 if args.lora_init_without_apply else scale) for path, scale in args.lora],
             "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file),
             "reasoning_format": args.reasoning_format, "reasoning_budget": args.reasoning_budget}

@@ -21,9 +21,8 @@ import time
 
 from specserve.engine.draft_gate import DRAFT_ROWS, MIN_DRAFT
 from specserve.engine.runner import Runner
-from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
+from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Plan
-from specserve.model.batch import common_prefix
 from specserve.model.kv_blocks import BlockTable
 
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
@@ -152,7 +151,7 @@ class SlotMemory:
         instead of evaluating the prefix again; the caller truncates to the returned length. Only settled positions
         count (slot.cache), so a step in flight on the other slot cannot matter."""
         others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
-        held, best = max(((common_prefix(s.cache, prompt), s) for s in others), key=lambda pair: pair[0],
+        held, best = max(((reusable(s, prompt, slot.adapters), s) for s in others), key=lambda pair: pair[0],
                          default=(0, slot))
         shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
         if shared < keep + MIN_SHARED_PREFIX:
@@ -170,11 +169,11 @@ class SlotMemory:
         if not self.held or len(tokens) < keep + MIN_SHARED_PREFIX:
             return
         others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
-        if any(common_prefix(s.cache, tokens) == len(tokens) for s in others):
+        if any(reusable(s, tokens, slot.adapters) == len(tokens) for s in others):
             return
         # the sequence it extends (it adds to that prefix), else an empty one, else the least recently used
-        spare = max(self.held, key=lambda h: (common_prefix(h.cache, tokens) == len(h.cache) > 0, not h.cache,
+        spare = max(self.held, key=lambda h: (reusable(h, tokens, slot.adapters) == len(h.cache) > 0, not h.cache,
                                               -h.last_used))
         self.runner.kv_copy(slot.id, spare.id)
         self.runner.kv_truncate(spare.id, len(tokens))
-        spare.cache, spare.last_used = list(tokens), time.perf_counter()
+        spare.cache, spare.last_used, spare.adapters = list(tokens), time.perf_counter(), slot.adapters

@@ -30,14 +30,13 @@ from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, SlotDrafts
 from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
-from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState
+from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
 from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.model.batch import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +236,9 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         idle = [s for s in self.slots if s.handle is None]
         prompt = handle.task.prompt
         if handle.task.cache_prompt:
-            best = max(idle, key=lambda s: (common_prefix(s.cache, prompt), -s.last_used))
-            if common_prefix(best.cache, prompt) > 0:
+            adapters = handle.task.adapters
+            best = max(idle, key=lambda s: (reusable(s, prompt, adapters), -s.last_used))
+            if reusable(best, prompt, adapters) > 0:
                 return best
         return min(idle, key=lambda s: s.last_used)
 
@@ -257,12 +257,16 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         slot = next(s for s in self.slots if s.handle is handle)
         task = handle.task
         try:
-            keep = common_prefix(slot.cache, task.prompt) if task.cache_prompt else 0
+            keep = reusable(slot, task.prompt, task.adapters) if task.cache_prompt else 0
             # Evaluate at least one token (its logits start generation); keep no more than the runner still has
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
             if task.cache_prompt:
                 self._hold_prefix(slot, keep)
+            if slot.adapters != task.adapters:  # (the cache the slot held, if any, went to a held prefix)
+                self.runner.set_adapter_scales(slot.id, task.adapters)
+                slot.adapters = task.adapters
+            if task.cache_prompt:
                 keep = self._share_prefix(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]

@@ -1,10 +1,10 @@
 """What slot jobs (slot_jobs.py) do with a slot's KV sequence: embed a text, save it to a file, restore it,
 erase it. Each runs on the scheduler's thread with the slot idle.
 
-A slot file is torch.save of {"format", "model", "tokens", "kv"}: the slot's settled tokens and their K/V
-[n_layers, 2, n_kv_heads, n, head_dim], loaded back with weights_only=True (plain tensors, lists and
-strings: a file cannot run code). "model" names the model the K/V belong to; restoring into another model
-is refused.
+A slot file is torch.save of {"format", "model", "tokens", "kv", "adapters"}: the slot's settled tokens, their
+K/V [n_layers, 2, n_kv_heads, n, head_dim] and the LoRA scales they were computed with, loaded back with
+weights_only=True (plain tensors, lists and strings: a file cannot run code). "model" names the model the K/V
+belong to; restoring into another model is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def embed(runner: Runner, slot: Slot, tokens: list[int], n_batch: int, pooling: 
                              "context)")
     runner.kv_truncate(slot.id, 0)
     slot.cache = []
+    if slot.adapters:  # embeddings are the base model's
+        runner.set_adapter_scales(slot.id, ())
+        slot.adapters = ()
     total: torch.Tensor | None = None
     for start in range(0, len(tokens), n_batch):
         chunk = tokens[start:start + n_batch]
@@ -54,7 +57,8 @@ def save(runner: Runner, slot: Slot, path: Path, model: dict[str, Any]) -> tuple
     """Write the slot's tokens and K/V to path; (tokens saved, bytes written)."""
     kv = runner.kv_read(slot.id)[:, :, :, :len(slot.cache)]
     tmp = path.with_name(path.name + ".part")  # a crash mid-write leaves no half file under the name
-    torch.save({"format": FORMAT, "model": model, "tokens": list(slot.cache), "kv": kv}, tmp)
+    torch.save({"format": FORMAT, "model": model, "tokens": list(slot.cache), "kv": kv,
+                "adapters": list(slot.adapters)}, tmp)
     tmp.replace(path)
     return len(slot.cache), path.stat().st_size
 
@@ -78,8 +82,14 @@ def restore(runner: Runner, slot: Slot, path: Path, model: dict[str, Any]) -> tu
         raise SpecserveError(f"{path.name} is damaged (its tokens and K/V do not match)")
     if len(tokens) >= runner.n_ctx:
         raise SpecserveError(f"{path.name} holds {len(tokens)} tokens; a slot here holds {runner.n_ctx - 1}")
+    adapters = data.get("adapters", [])
+    if not isinstance(adapters, list) or not all(isinstance(s, float) for s in adapters):
+        raise SpecserveError(f"{path.name} is damaged (its LoRA scales are not a list of numbers)")
     runner.kv_truncate(slot.id, 0)
     slot.cache = []
+    if tuple(adapters) != slot.adapters:  # the K/V were computed with these scales: later tasks match them
+        runner.set_adapter_scales(slot.id, tuple(adapters))
+        slot.adapters = tuple(adapters)
     runner.kv_write(slot.id, kv)
     slot.cache = tokens
     return len(tokens), path.stat().st_size

@@ -8,6 +8,7 @@ from enum import Enum
 from specserve.engine.sampling import Sampler
 from specserve.engine.tasks import Task, TaskHandle
 from specserve.engine.text_stream import TextStream
+from specserve.model.batch import common_prefix
 from specserve.speculative.base import Chain, SpecParams
 
 
@@ -25,6 +26,7 @@ class Slot:
     handle: TaskHandle | None = None
     cache: list[int] = field(default_factory=list)  # tokens whose K/V sit in this slot's sequence (settled)
     last_used: float = 0.0
+    adapters: tuple[float, ...] = ()  # the LoRA scales its sequence's K/V were computed with (Task.adapters)
     # per task
     n_past: int = 0  # prompt tokens in the cache
     n_planned: int = 0  # prompt tokens in launched steps (n_past once they are settled)
@@ -109,6 +111,7 @@ class HeldPrefix:
     id: int
     cache: list[int] = field(default_factory=list)  # the tokens its sequence holds
     last_used: float = 0.0
+    adapters: tuple[float, ...] = ()  # the LoRA scales of its K/V
 
 
 @dataclass
@@ -144,3 +147,9 @@ class SchedulerCounters:
     def copy(self) -> SchedulerCounters:
         return SchedulerCounters(**{**self.__dict__, "draft_generated": dict(self.draft_generated),
                                     "draft_accepted": dict(self.draft_accepted)})
+
+
+def reusable(seq: Slot | HeldPrefix, tokens: list[int], adapters: tuple[float, ...]) -> int:
+    """How many of `tokens` the sequence's cache holds for a task with these LoRA scales: K/V computed with other
+    scales are other values, never reused."""
+    return common_prefix(seq.cache, tokens) if seq.adapters == adapters else 0

@@ -48,6 +48,7 @@ class Task:
     context_shift: bool = False
     n_keep: int = 0
     timings_per_token: bool = False  # every Chunk carries the timings so far
+    adapters: tuple[float, ...] = ()  # a scale per loaded LoRA adapter (model/lora.py); (): none applies
     id: int = field(default_factory=lambda: next(_task_ids))
 
     def params_json(self) -> dict[str, object]:
@@ -60,7 +61,7 @@ class Task:
             "frequency_penalty": s.frequency_penalty, "stop": list(self.stop), "n_probs": self.n_probs,
             "cache_prompt": self.cache_prompt, "ignore_eos": self.ignore_eos,
             "timings_per_token": self.timings_per_token, "return_progress": self.return_progress,
-            "n_keep": self.n_keep,
+            "n_keep": self.n_keep, "lora": [{"id": i, "scale": s} for i, s in enumerate(self.adapters)],
             "grammar": self.constraint.source.text if self.constraint is not None else "",
             "logit_bias": self.logit_bias.to_json() if self.logit_bias is not None else [],
             "speculative.n_max": p.n_max, "speculative.n_min": p.n_min, "speculative.p_min": p.p_min,

@@ -59,6 +59,7 @@ from specserve.server.schemas import (
     DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
+    LoraScales,
     OpenAICompletionRequest,
     SlotFileRequest,
     TokenizeRequest,
@@ -332,6 +333,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/slots/{id_slot}", openapi_extra=operation(SlotFileRequest, not_supported=True))
     async def slots_action(request: Request, id_slot: str, action: str = "") -> Response:
         return JSONResponse(await slot_action(eng(), id_slot, action, await request.body()))
+
+    @app.get("/lora-adapters", openapi_extra=operation(array=True))
+    async def lora_adapters() -> Response:
+        return JSONResponse(eng().lora.to_json())
+
+    @app.post("/lora-adapters", openapi_extra=operation(LoraScales))
+    async def set_lora_adapters(request: Request) -> Response:
+        eng().lora.set_global(parse_body(LoraScales, await request.body()).root)
+        return JSONResponse({"success": True})
 
     @app.get("/props", openapi_extra=operation())
     async def props() -> Response:

@@ -86,7 +86,8 @@ def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner,
                                                  n_ctx=ctx, kv_size=ctx or settings.default_kv_size(),
                                                  device=settings.device, progress=progress,
                                                  weight_format=settings.weight_format,
-                                                 tensor_parallel=settings.tensor_parallel, mmap=settings.mmap)
+                                                 tensor_parallel=settings.tensor_parallel, mmap=settings.mmap,
+                                                 adapters=[path for path, _ in settings.lora])
     build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
     # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
     runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max), sequences=settings.n_parallel)

@@ -28,6 +28,7 @@ from specserve.server.chat_tools import ToolPlan, ToolStyle, plan_tools
 from specserve.server.core import EngineCore, LocalCore, ModelFacts, load_model
 from specserve.server.core_client import CoreClient
 from specserve.server.errors import ContextSizeError
+from specserve.server.lora_adapters import LoraAdapters
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.settings import ServerSettings, check_settings
@@ -63,6 +64,7 @@ class Engine:
         self.aliases = [a.strip() for a in (settings.alias or "").split(",") if a.strip()]
         name = self.aliases[0] if self.aliases else settings.model or catalog.DEFAULT_MODEL
         self.model_name = Path(name).stem if name.endswith(".gguf") else name
+        self.lora = LoraAdapters(settings.lora)
 
     @classmethod
     def local(cls, settings: ServerSettings, model_path: Path, runner: Runner, draft_runner: Runner | None,
@@ -174,6 +176,7 @@ class Engine:
         # plain text: a prediction that spells a control token must not become one
         prediction = (self.encoder.encode(fields.prediction.text(), add_special=False, parse_special=False)
                       if fields.prediction is not None else None)
+        adapters = self.lora.for_request(fields.lora)
         tasks = []
         for prompt in prompts:
             if not prompt:
@@ -196,7 +199,7 @@ class Engine:
                                   constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
                                   prediction=prediction or None, return_progress=fields.return_progress,
                                   timings_per_token=fields.timings_per_token, context_shift=s.context_shift,
-                                  n_keep=fields.n_keep))
+                                  n_keep=fields.n_keep, adapters=adapters))
         return tasks
 
     @staticmethod

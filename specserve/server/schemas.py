@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator, model_validator
 
 from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
@@ -84,6 +84,17 @@ class ResponseFormat(_Strict):
         return GrammarSource.json_schema(schema if schema is not None else {})
 
 
+class LoraScale(_Strict):
+    """One LoRA adapter's scale (llama-server's `lora` entries and POST /lora-adapters)."""
+
+    id: int = Field(ge=0)
+    scale: float = Field(allow_inf_nan=False)
+
+
+class LoraScales(RootModel[list[LoraScale]]):
+    """POST /lora-adapters: [{id, scale}, ...]."""
+
+
 class GenerationFields(_Strict):
     """Sampling, stop and speculative options shared by all generation endpoints; None = server default."""
 
@@ -120,6 +131,7 @@ class GenerationFields(_Strict):
     # llama-server's [[token id or text, bias or false], ...] or OpenAI's {"token id": bias} (server/prompts.py)
     logit_bias: LogitBiasInput | None = None
     prediction: Prediction | None = None  # OpenAI's; on every generation endpoint (llama-server has none)
+    lora: list[LoraScale] | None = None  # LoRA scales for this request (server/lora_adapters.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,7 @@ class ServerSettings:
     mmap: bool = True  # read the GGUF through a memory map; False: into memory at load (--no-mmap)
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
+    lora: list[tuple[str, float]] = field(default_factory=list)  # LoRA adapter files and their first scales
     context_shift: bool = False  # --context-shift: a generation that fills its context drops old tokens, goes on
     verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
     webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
@@ -116,6 +117,9 @@ def check_settings(s: ServerSettings) -> None:
             Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SpecserveError(f"--slot-save-path {s.slot_save_path}: {exc.strerror or exc}") from None
+    for path, _ in s.lora:
+        if not Path(path).is_file():
+            raise SpecserveError(f"--lora {path}: no such file")
     if s.remote is None:  # (a remote host checks its own device)
         checked_device(s.device)
     s.sampling.validate()
