@@ -148,6 +148,27 @@ class SchedulerCounters:
         return SchedulerCounters(**{**self.__dict__, "draft_generated": dict(self.draft_generated),
                                     "draft_accepted": dict(self.draft_accepted)})
 
+    def after(self, earlier: SchedulerCounters) -> SchedulerCounters:
+        """These counters continuing `earlier`'s (a scheduler's that came before, e.g. before a sleep): totals
+        summed, levels (LEVELS) this one's, the largest batch the larger."""
+        out = self.copy()
+        for name, value in earlier.__dict__.items():
+            if name in LEVELS:
+                continue
+            if isinstance(value, dict):
+                mine = getattr(out, name)
+                for key, n in value.items():
+                    mine[key] = mine.get(key, 0) + n
+            else:
+                setattr(out, name, max(value, getattr(out, name)) if name == "n_tokens_max"
+                        else value + getattr(out, name))
+        return out
+
+
+# SchedulerCounters' fields that say how things stand now, not how many so far
+LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv_capacity", "shared_requests",
+                    "shared_tokens"})
+
 
 def reusable(seq: Slot | HeldPrefix, tokens: list[int], adapters: tuple[float, ...]) -> int:
     """How many of `tokens` the sequence's cache holds for a task with these LoRA scales: K/V computed with other

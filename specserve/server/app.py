@@ -65,8 +65,9 @@ from specserve.server.schemas import (
     TokenizeRequest,
     parse_body,
 )
+from specserve.server.sleeping_core import SleepingCore
 from specserve.server.slot_files import slot_action
-from specserve.server.streaming import respond
+from specserve.server.streaming import Job, respond
 from specserve.server.tokenizing import json_list
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,13 @@ class GateMiddleware(HttpMiddleware):
             given = auth[7:].strip()
         matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.state.api_keys]  # (each compared)
         return f"key{matches.index(True)}" if given and any(matches) else None
+
+
+def _built(build: Builder, engine: Engine, body: bytes) -> Job:
+    """A request's job, the core woken for it (--sleep-idle-seconds) while still off the event loop."""
+    job = build(engine, body)
+    engine.core.wake()
+    return job
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:
@@ -242,7 +250,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             body = await request.body()
             engine = eng()
-            job = await run_in_threadpool(build, engine, body)
+            job = await run_in_threadpool(_built, build, engine, body)
             engine.scope_tasks(job.tasks, getattr(request.state, "tenant", ""))
             job.verbose = state.settings.verbose
             state.admission.widen(ticket, len(job.tasks))  # a batch or n choices: every task counts
@@ -360,6 +368,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
             "modalities": {"vision": False, "audio": False},
             "build_info": build_info(),
+            "is_sleeping": isinstance(engine.core, SleepingCore) and engine.core.sleeping,
         })
 
     @app.get("/slots", openapi_extra=operation(array=True, not_supported=True))

@@ -50,6 +50,10 @@ class EngineCore(Protocol):
         """Why the core cannot serve any more (its process died); None while it can."""
         ...
 
+    def wake(self) -> None:
+        """Work is coming: load what an idle timeout let go (sleeping_core.py); blocking, off the event loop."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -131,6 +135,9 @@ class LocalCore:
 
     def failure(self) -> str | None:
         return None
+
+    def wake(self) -> None:
+        pass  # (always loaded)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

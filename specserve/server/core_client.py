@@ -142,6 +142,9 @@ class CoreClient:
     def failure(self) -> str | None:
         return self._gone
 
+    def wake(self) -> None:
+        pass  # (loaded while its process lives)
+
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._gone is not None:
             raise Unavailable(self._gone)

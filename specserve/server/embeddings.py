@@ -41,6 +41,7 @@ def _parse(engine: Engine, body: bytes) -> tuple[EmbeddingRequest, list[list[int
             raise SpecserveError("Input content cannot be empty")
         if len(tokens) >= engine.n_ctx:
             raise ContextSizeError(len(tokens), engine.n_ctx)
+    engine.core.wake()  # (--sleep-idle-seconds: here, off the event loop)
     return req, inputs
 
 

@@ -7,6 +7,7 @@ app turns into a 400.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -32,6 +33,7 @@ from specserve.server.lora_adapters import LoraAdapters
 from specserve.server.prompts import PromptInput, resolve_logit_bias, split_prompts, tokenize_one
 from specserve.server.schemas import ChatTemplateFields, GenerationFields
 from specserve.server.settings import ServerSettings, check_settings
+from specserve.server.sleeping_core import SleepingCore
 from specserve.server.tokenizing import TextEncoder
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,9 @@ class Engine:
             runner, draft_runner, path = load_model(settings, progress)
             tokenizer = _with_template(Tokenizer.from_gguf(model_file(runner)), settings)
             engine = cls.local(settings, path, runner, draft_runner, tokenizer)
+        if settings.sleep_idle_seconds > 0:
+            engine.core = SleepingCore(engine.core, functools.partial(_new_core, settings, engine.tokenizer),
+                                       settings.sleep_idle_seconds, settings.n_parallel, engine.n_ctx)
         engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
         return engine
 
@@ -215,6 +220,16 @@ class Engine:
 
     def token_piece(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def _new_core(settings: ServerSettings, tokenizer: Tokenizer) -> EngineCore:
+    """A core loaded again, as Engine.load made the first (sleeping_core.py)."""
+    if settings.core_process:
+        return CoreClient(settings)
+    runner, draft_runner, _ = load_model(settings, progress=False)
+    core = LocalCore(settings, runner, draft_runner, tokenizer)
+    core.start()
+    return core
 
 
 def _with_template(tokenizer: Tokenizer, settings: ServerSettings) -> Tokenizer:

@@ -45,6 +45,7 @@ class ServerSettings:
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
     lora: list[tuple[str, float]] = field(default_factory=list)  # LoRA adapter files and their first scales
+    sleep_idle_seconds: float = -1  # let the model go after this long without work, load it for the next (-1: never)
     context_shift: bool = False  # --context-shift: a generation that fills its context drops old tokens, goes on
     verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
     webui: bool = True  # the chat page at / (llama-server's --webui / --no-webui)
@@ -117,6 +118,8 @@ def check_settings(s: ServerSettings) -> None:
             Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SpecserveError(f"--slot-save-path {s.slot_save_path}: {exc.strerror or exc}") from None
+    if s.sleep_idle_seconds != -1 and not s.sleep_idle_seconds > 0:
+        raise SpecserveError(f"--sleep-idle-seconds must be -1 (never) or more than 0, got {s.sleep_idle_seconds}")
     for path, _ in s.lora:
         if not Path(path).is_file():
             raise SpecserveError(f"--lora {path}: no such file")

@@ -37,6 +37,7 @@ async def slot_action(engine: Engine, id_slot: str, action: str, body: bytes) ->
         slot_id = int(id_slot)
     except ValueError:
         raise SpecserveError("Invalid slot ID") from None
+    await run_in_threadpool(engine.core.wake)  # (--sleep-idle-seconds: off the event loop)
     if action == "erase":
         n = await asyncio.wrap_future(engine.core.submit_job(slot_state.erase, slot_id))
         return {"id_slot": slot_id, "n_erased": n}
