@@ -84,6 +84,9 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
                    help="a LoRA adapter (llama.cpp's GGUF adapter file) at scale 1; repeat or comma-separate")
     g.add_argument("--lora-scaled", action=_LoraFiles, dest="lora", metavar="FNAME:SCALE",
                    help="a LoRA adapter at a scale of its own; repeat or comma-separate")
+    g.add_argument("-cram", "--cache-ram", type=int, default=None, metavar="MiB",
+                   help="host memory for prompt caches the KV pool gives up, read back for prompts that start with "
+                        "them (-1: no limit, 0: off; default 8192 on a GPU, off on the CPU)")
     g.add_argument("--sleep-idle-seconds", type=float, default=-1, metavar="SECONDS",
                    help="after SECONDS without work, let the model and its KV go and load them again for the next "
                         "request (/props is_sleeping; default -1: never)")
@@ -99,7 +102,7 @@ def llama_server_settings(args: argparse.Namespace) -> dict[str, Any]:
     tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
     return {"mmap": args.mmap and not args.direct_io, "endpoint_slots": args.endpoint_slots,
             "endpoint_metrics": args.endpoint_metrics, "context_shift": args.context_shift, "webui": args.webui,
-            "tags": tags, "sleep_idle_seconds": args.sleep_idle_seconds,
+            "tags": tags, "sleep_idle_seconds": args.sleep_idle_seconds, "cache_ram": args.cache_ram,
             "lora": [(path, 0.0 if args.lora_init_without_apply else scale) for path, scale in args.lora],
             "chat_template": resolve_chat_template(args.chat_template, args.chat_template_file),
             "reasoning_format": args.reasoning_format, "reasoning_budget": args.reasoning_budget}

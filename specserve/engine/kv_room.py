@@ -16,14 +16,20 @@ given up under pressure, least recently used first, beside idle slots' caches.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from specserve.engine.draft_gate import DRAFT_ROWS, MIN_DRAFT
+from specserve.engine.host_cache import HostCache
 from specserve.engine.runner import Runner
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Plan
+from specserve.errors import NotSupported
 from specserve.model.kv_blocks import BlockTable
+from specserve.model.kv_ledger import KVCacheFull
+
+log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
 
@@ -64,6 +70,7 @@ class SlotMemory:
     slots: list[Slot]
     held: list[HeldPrefix]
     counters: SchedulerCounters
+    host_cache: HostCache | None  # --cache-ram (host_cache.py)
     _cond: threading.Condition
 
     def _evict_idle(self, room: KVRoom, need: int) -> None:
@@ -76,11 +83,47 @@ class SlotMemory:
         idle: list[Slot | HeldPrefix] = [*(s for s in self.slots if s.handle is None), *self.held]
         for seq in sorted((s for s in idle if not busy.issuperset(tables[s.id])), key=lambda s: s.last_used):
             before = room.blocks.free
+            self._keep_in_host(seq)
             self.runner.kv_truncate(seq.id, 0)
             seq.cache = []
             room.free += room.blocks.free - before
             if room.free >= need:
                 return
+
+    def _keep_in_host(self, seq: Slot | HeldPrefix) -> None:
+        """Copy a cache the pool gives up to the host tier (where there is one)."""
+        n = min(len(seq.cache), self.runner.seq_len[seq.id])
+        if self.host_cache is None or n == 0:
+            return
+        try:
+            kept = self.host_cache.keep(seq.cache[:n], seq.adapters, lambda: self.runner.kv_read(seq.id)[:, :, :, :n])
+        except NotSupported as exc:  # (a remote or tensor-parallel runner)
+            log.warning("no host prompt cache: %s", exc)
+            self.host_cache = None
+            return
+        if kept:
+            with self._cond:
+                self.counters.host_cache_kept += 1
+
+    def _from_host(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Where the host tier holds more of the prompt than the slot keeps (its own cache or a shared prefix), write
+        that entry's positions into the slot's sequence; the positions the sequence now holds for the prompt."""
+        if self.host_cache is None:
+            return keep
+        n, entry = self.host_cache.best(prompt, slot.adapters)
+        n = min(n, len(prompt) - 1)
+        if entry is None or n < keep + MIN_SHARED_PREFIX:
+            return keep
+        self.runner.kv_truncate(slot.id, 0)  # (the entry holds all the slot kept of the prompt, and more)
+        blocks = self.runner.ledger.blocks
+        self._evict_idle(KVRoom(blocks, most=1 << 62), blocks.need(slot.id, 0, n))
+        try:
+            self.runner.kv_write(slot.id, entry.kv[:, :, :, :n])
+        except KVCacheFull:  # idle caches gave up, still short: the prompt is read
+            return 0
+        with self._cond:
+            self.counters.prompt_tokens_host += n - keep
+        return n
 
     def _fit(self, room: KVRoom, seq: int, start: int, want: int) -> int:
         """How many of `want` rows from position `start` fit (taking their blocks), idle caches given up for them

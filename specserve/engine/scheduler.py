@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 from specserve.engine.draft_gate import MAX_DRAFTING_SLOTS, DraftGate, draft_cap
+from specserve.engine.host_cache import HostCache
 from specserve.engine.kv_room import KVRoom, SlotMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
@@ -47,13 +48,15 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
                  n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True, n_slots: int | None = None,
-                 chain_drafts: bool = True):
+                 chain_drafts: bool = True, host_cache_bytes: int = 0):
         """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles
         every step before the next is planned (the reference the tests compare with). adaptive_drafts: slots
         draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft.
         n_slots: the runner's first sequences are slots (default all); the rest hold prompt prefixes
         (kv_room.py). chain_drafts: with more busy slots than the gate weighs (draft_gate.MAX_DRAFTING_SLOTS),
-        slots draft in chained steps (the next step assumes the draft accepted); False: they do not draft."""
+        slots draft in chained steps (the next step assumes the draft accepted); False: they do not draft.
+        host_cache_bytes: caches the pool gives up are kept in host memory up to this (host_cache.py; 0: none,
+        -1: no limit)."""
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         self.runner = runner
@@ -67,6 +70,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             raise SpecserveError(f"{n_slots} slots do not fit a runner of {runner.n_seqs} sequences")
         self.slots = [Slot(i) for i in range(n_slots)]
         self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
+        self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None
         self.counters = SchedulerCounters(kv_capacity=runner.ledger.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
@@ -121,6 +125,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             c = self.counters.copy()
         blocks = self.runner.ledger.blocks  # derived when asked, not kept up per step
         c.kv_tokens = blocks.used * blocks.block_size
+        c.host_cache_bytes = self.host_cache.bytes if self.host_cache is not None else 0
         return c
 
     @property
@@ -268,6 +273,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
                 slot.adapters = task.adapters
             if task.cache_prompt:
                 keep = self._share_prefix(slot, task.prompt, keep)
+                keep = self._from_host(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]
             slot.replay = []

@@ -130,6 +130,10 @@ class SchedulerCounters:
     kv_capacity: int = 0  # positions of the pool
     kv_preemptions: int = 0  # running slots that gave back their KV for others (engine/kv_room.py)
     context_shifts: int = 0  # generations that filled their context and dropped old tokens (--context-shift)
+    # the host prompt cache (host_cache.py): caches it took from the pool, prompt tokens written back, bytes held
+    host_cache_kept: int = 0
+    prompt_tokens_host: int = 0  # (part of prompt_tokens_cached)
+    host_cache_bytes: int = 0
     # the shared suffix store (speculative/shared_suffix.py; the engine fills these in): requests and tokens kept
     shared_requests: int = 0
     shared_tokens: int = 0
@@ -167,7 +171,7 @@ class SchedulerCounters:
 
 # SchedulerCounters' fields that say how things stand now, not how many so far
 LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv_capacity", "shared_requests",
-                    "shared_tokens"})
+                    "shared_tokens", "host_cache_bytes"})
 
 
 def reusable(seq: Slot | HeldPrefix, tokens: list[int], adapters: tuple[float, ...]) -> int:

@@ -108,8 +108,7 @@ class KVLedger:
         if self.blocks.need(seq, 0, n) > self.blocks.free:
             raise KVCacheFull(f"the KV cache has no room for {n} positions now")
         self.blocks.write(seq, 0, n)
-        self.seq_len[seq] = n
-        self.last_rows = 0  # nothing may be fed from a step before this
+        self.seq_len[seq] = n  # (the last step's rows may still be fed from: writing K/V launches no step)
         return self.blocks.slots(seq, 0, n)
 
     def copy(self, src: int, dst: int) -> None:

@@ -111,6 +111,7 @@ class LocalCore:
         store = self.suffix_store
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
                                    adaptive_drafts=settings.adaptive_drafts, chain_drafts=settings.chain_drafts,
+                                   host_cache_bytes=settings.host_cache_bytes(runner.device.type),
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot,
                                                                                 shared=store))
 

@@ -88,6 +88,11 @@ class SchedulerCollector(Collector):
                       "again later (a full pool: engine/kv_room.py).", c.kv_preemptions)
         yield counter("context_shifts", "Generations that filled their context and went on without their oldest "
                       "tokens (--context-shift).", c.context_shifts)
+        yield counter("prompt_tokens_host", "Prompt tokens read back from the host prompt cache (--cache-ram) "
+                      "instead of evaluated (part of the cached).", c.prompt_tokens_host)
+        yield counter("host_cache_kept", "Prompt caches the KV pool gave up that the host cache kept.",
+                      c.host_cache_kept)
+        yield gauge("host_cache_bytes", "Bytes the host prompt cache holds.", c.host_cache_bytes)
         yield gauge("shared_suffix_requests", "Earlier requests ngram-suffix may draft from, all scopes "
                     "(--spec-shared-tokens).", c.shared_requests)
         yield gauge("shared_suffix_tokens", "Their tokens (prompts and outputs).", c.shared_tokens)

@@ -45,6 +45,9 @@ class ServerSettings:
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_metrics: bool = False  # GET /metrics (llama-server's --metrics: off unless asked for)
     lora: list[tuple[str, float]] = field(default_factory=list)  # LoRA adapter files and their first scales
+    # -cram: MiB of host memory for prompt caches the KV pool gives up (engine/host_cache.py); -1 no limit, 0 none;
+    # None: 8192 where the pool is on a GPU, none on the CPU (where the pool is host memory already)
+    cache_ram: int | None = None
     sleep_idle_seconds: float = -1  # let the model go after this long without work, load it for the next (-1: never)
     context_shift: bool = False  # --context-shift: a generation that fills its context drops old tokens, goes on
     verbose: bool = False  # -v/--verbose: debug logs, and OpenAI answers carry `__verbose` (llama-server's)
@@ -62,6 +65,11 @@ class ServerSettings:
     threads: int | None = None  # -t: the engine core's torch threads (None: torch's default)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams = field(default_factory=SpecParams)
+
+    def host_cache_bytes(self, device_type: str) -> int:
+        if self.cache_ram is None:
+            return 8192 << 20 if device_type == "cuda" else 0
+        return -1 if self.cache_ram < 0 else self.cache_ram << 20
 
     def held_prefixes(self) -> int:
         return max(8, self.n_parallel) if self.cache_prefixes is None else self.cache_prefixes
@@ -118,6 +126,8 @@ def check_settings(s: ServerSettings) -> None:
             Path(s.slot_save_path).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SpecserveError(f"--slot-save-path {s.slot_save_path}: {exc.strerror or exc}") from None
+    if s.cache_ram is not None and s.cache_ram < -1:
+        raise SpecserveError(f"-cram/--cache-ram must be -1 (no limit), 0 (off) or a size in MiB, got {s.cache_ram}")
     if s.sleep_idle_seconds != -1 and not s.sleep_idle_seconds > 0:
         raise SpecserveError(f"--sleep-idle-seconds must be -1 (never) or more than 0, got {s.sleep_idle_seconds}")
     for path, _ in s.lora:

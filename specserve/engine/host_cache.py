@@ -1,0 +1,81 @@
+"""Prompt caches kept in host memory (llama-server's --cache-ram), a tier below the KV pool.
+
+When the pool gives up an idle sequence's cache (a held prefix or an idle slot's, least recently used first:
+kv_room.py), its K/V are copied here instead of lost, up to a byte limit, the least recently used entry going
+first. A new prompt that starts with more of an entry than the pool holds for it gets those positions written
+back into its slot (Runner.kv_write) instead of reading the tokens again. Entries are keyed by their tokens and
+LoRA scales (slots.reusable), and an entry that another extends is dropped for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model.batch import common_prefix
+
+MIN_TOKENS = 16  # shorter caches are cheaper to read again than to keep
+
+
+@dataclass
+class HostEntry:
+    tokens: list[int]
+    adapters: tuple[float, ...]
+    kv: torch.Tensor  # [n_layers, 2, n_kv_heads, len(tokens), head_dim], on the CPU (Runner.kv_read)
+
+
+class HostCache:
+    def __init__(self, limit_bytes: int):
+        """limit_bytes < 0: no limit."""
+        self.limit = limit_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[int, HostEntry] = OrderedDict()  # least recently used first
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keep(self, tokens: list[int], adapters: tuple[float, ...], read: Callable[[], torch.Tensor]) -> bool:
+        """Keep a cache the pool gives up (read() copies its K/V out); False where it is short, held already
+        (an entry has all of its tokens) or larger than the limit."""
+        if len(tokens) < MIN_TOKENS:
+            return False
+        for key, entry in list(self._entries.items()):
+            if entry.adapters != adapters:
+                continue
+            n = common_prefix(entry.tokens, tokens)
+            if n == len(tokens):
+                self._entries.move_to_end(key)
+                return False
+            if n == len(entry.tokens):  # these tokens extend it: the new entry replaces it
+                self._drop(key)
+        kv = read()
+        size = kv.numel() * kv.element_size()
+        if 0 <= self.limit < size:
+            return False
+        while self._entries and 0 <= self.limit < self.bytes + size:
+            self._drop(next(iter(self._entries)))
+        self._entries[next(self._ids)] = HostEntry(list(tokens), adapters, kv)
+        self.bytes += size
+        return True
+
+    def best(self, prompt: list[int], adapters: tuple[float, ...]) -> tuple[int, HostEntry | None]:
+        """The entry sharing the longest prefix with the prompt (for these LoRA scales), and that length."""
+        best_n, best_key = 0, None
+        for key, entry in self._entries.items():
+            if entry.adapters == adapters and entry.tokens[:1] == prompt[:1]:
+                n = common_prefix(entry.tokens, prompt)
+                if n > best_n:
+                    best_n, best_key = n, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        return best_n, self._entries[best_key]
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= entry.kv.numel() * entry.kv.element_size()

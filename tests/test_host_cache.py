@@ -1,0 +1,64 @@
+"""The host prompt cache (engine/host_cache.py, --cache-ram): caches the KV pool gives up are kept in host memory
+and read back for a prompt that starts with them, with the text plain greedy gives; its bookkeeping on its own."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.host_cache import HostCache
+from specserve.engine.local_runner import LocalRunner
+from specserve.engine.scheduler import Scheduler
+from tests.helpers import submit, wait
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
+         "xray", "yankee", "zulu"]
+
+
+def _text(seed: int, n: int = 90) -> str:
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(n))
+
+
+def _run(runner: LocalRunner, tokenizer, prompts: list[str], host_bytes: int) -> tuple[list, Scheduler]:
+    """Each prompt in turn on one slot with one held prefix: (text, Result) of each, and the scheduler."""
+    sched = Scheduler(runner, tokenizer, n_batch=64, n_slots=1, host_cache_bytes=host_bytes)
+    sched.start()
+    try:
+        return [wait(submit(sched, tokenizer, p, n_predict=8)[1]) for p in prompts], sched
+    finally:
+        sched.shutdown()
+
+
+def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, smollm_tokenizer) -> None:
+    # A pool of 320 positions: the third prompt makes the pool give up the first's cache.
+    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device="cpu", progress=False)
+    first, second, third = _text(1), _text(2), _text(3, 140)
+    again = first + " and then some more words"
+    prompts = [first, second, third, again]
+    with_host, sched = _run(runner, smollm_tokenizer, prompts, -1)
+    c = sched.counters_snapshot()
+    assert c.host_cache_kept >= 1 and c.host_cache_bytes > 0
+    result = with_host[3][1]
+    n_first = len(smollm_tokenizer.encode(first))
+    assert result.n_cached >= n_first - 1 and c.prompt_tokens_host >= n_first - 16
+    fresh = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device="cpu", progress=False)
+    without, plain = _run(fresh, smollm_tokenizer, prompts, 0)
+    assert plain.counters_snapshot().prompt_tokens_host == 0 and without[3][1].n_cached < n_first / 2
+    assert [text for text, _ in with_host] == [text for text, _ in without]
+
+
+def test_host_cache_entries() -> None:
+    kv = torch.zeros(2, 2, 1, 20, 4)  # 1280 bytes of fp32 for 20 tokens
+    cache = HostCache(limit_bytes=3 * 1280)
+    a, b, c = list(range(20)), list(range(100, 120)), list(range(200, 220))
+    assert cache.keep(a, (), lambda: kv) and cache.keep(b, (), lambda: kv) and cache.keep(c, (), lambda: kv)
+    assert not cache.keep(a[:18], (), lambda: kv)  # held already
+    assert not cache.keep(a[:8], (), lambda: kv)  # too short to keep
+    assert cache.best(a + [7], ()) == (20, cache.best(a, ())[1]) and cache.best(a, (1.0,)) == (0, None)
+    assert cache.keep(list(range(300, 320)), (), lambda: kv)  # over the limit: b (least recently used) goes
+    assert cache.best(b, ())[0] == 0 and cache.best(c, ())[0] == 20 and len(cache) == 3
+    longer = torch.zeros(2, 2, 1, 25, 4)
+    assert cache.keep(a + [1, 2, 3, 4, 5], (), lambda: longer)  # it extends a: a's entry goes, and for room the
+    assert len(cache) == 2 and cache.bytes == 1280 + 1600  # least recently used (300..319; c was just read)
+    assert cache.best(c, ())[0] == 20 and cache.best(a, ())[0] == 20
+    assert not HostCache(100).keep(a, (), lambda: kv)  # larger than the whole limit
