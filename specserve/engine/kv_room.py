@@ -2,7 +2,7 @@
 
 A step's rows take free blocks as the plan adds them (`KVRoom`): first one row for every generating slot (they
 hold KV, and only their progress gives it back), then drafts and prompt chunks from what is left (a new prompt
-only where all of it fits: the scheduler's `_plan_reading`). Short of
+only where all of it fits: `KVMemory.plan_reading`). Short of
 blocks, the scheduler gives up idle slots' prompt caches first, least recently used first; if a generating slot
 still finds no room, running slots are preempted, youngest first (vLLM's recompute policy): a preempted slot
 gives back its KV and, when room returns, reads its tokens again (`SlotState.RESUMING`) and goes on where it
@@ -62,18 +62,22 @@ class KVRoom:
         return n
 
 
-class SlotMemory:
-    """What the Scheduler does when the pool is short (it provides these attributes)."""
+class KVMemory:
+    """The pool's memory as the scheduler plans with it: room for a step's rows, idle caches given up under pressure
+    (to the host tier where there is one), running slots preempted, and prompt prefixes shared, held and read back.
+    It shares the scheduler's slots, held prefixes, counters and lock."""
 
-    runner: Runner
-    n_batch: int
-    slots: list[Slot]
-    held: list[HeldPrefix]
-    counters: SchedulerCounters
-    host_cache: HostCache | None  # --cache-ram (host_cache.py)
-    _cond: threading.Condition
+    def __init__(self, runner: Runner, slots: list[Slot], held: list[HeldPrefix], counters: SchedulerCounters,
+                 lock: threading.Condition, n_batch: int, host_cache_bytes: int = 0):
+        self.runner = runner
+        self.slots = slots
+        self.held = held
+        self.counters = counters
+        self._cond = lock
+        self.n_batch = n_batch
+        self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None  # --cache-ram (host_cache.py)
 
-    def _evict_idle(self, room: KVRoom, need: int) -> None:
+    def evict_idle(self, room: KVRoom, need: int) -> None:
         """Give up held prefixes and idle slots' caches, least recently used first, until `need` blocks are free (a
         cache whose blocks running slots hold too frees nothing, and is kept)."""
         if room.plenty or room.free >= need:
@@ -105,7 +109,7 @@ class SlotMemory:
             with self._cond:
                 self.counters.host_cache_kept += 1
 
-    def _from_host(self, slot: Slot, prompt: list[int], keep: int) -> int:
+    def from_host(self, slot: Slot, prompt: list[int], keep: int) -> int:
         """Where the host tier holds more of the prompt than the slot keeps (its own cache or a shared prefix), write
         that entry's positions into the slot's sequence; the positions the sequence now holds for the prompt."""
         if self.host_cache is None:
@@ -116,7 +120,7 @@ class SlotMemory:
             return keep
         self.runner.kv_truncate(slot.id, 0)  # (the entry holds all the slot kept of the prompt, and more)
         blocks = self.runner.ledger.blocks
-        self._evict_idle(KVRoom(blocks, most=1 << 62), blocks.need(slot.id, 0, n))
+        self.evict_idle(KVRoom(blocks, most=1 << 62), blocks.need(slot.id, 0, n))
         try:
             self.runner.kv_write(slot.id, entry.kv[:, :, :, :n])
         except KVCacheFull:  # idle caches gave up, still short: the prompt is read
@@ -125,13 +129,13 @@ class SlotMemory:
             self.counters.prompt_tokens_host += n - keep
         return n
 
-    def _fit(self, room: KVRoom, seq: int, start: int, want: int) -> int:
+    def fit(self, room: KVRoom, seq: int, start: int, want: int) -> int:
         """How many of `want` rows from position `start` fit (taking their blocks), idle caches given up for them
         where the room is short."""
-        self._evict_idle(room, 0 if room.plenty else room.blocks.need(seq, start, start + want))
+        self.evict_idle(room, 0 if room.plenty else room.blocks.need(seq, start, start + want))
         return room.grow(seq, start, 0, want)
 
-    def _plan_reading(self, plan: Plan, reading: list[Slot], room: KVRoom) -> None:
+    def plan_reading(self, plan: Plan, reading: list[Slot], room: KVRoom) -> None:
         """Prompt chunks (and preempted slots' tokens read again) of the reading slots share what is left of
         n_batch, but always get a share so they never starve; oldest task first, each as far as the pool allows."""
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
@@ -149,33 +153,33 @@ class SlotMemory:
                 # could not finish would be preempted again and again (its chunks read in vain).
                 whole = (room.blocks.need(slot.id, start, len(tokens))
                          + sum(s.state == SlotState.GENERATING for s in self.slots))
-                self._evict_idle(room, whole)
+                self.evict_idle(room, whole)
                 waiting = waiting or room.free < whole
                 if waiting:
                     continue
-            n = self._fit(room, slot.id, start, want)
+            n = self.fit(room, slot.id, start, want)
             if n == 0:
                 continue
             plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
             slot.n_planned += n
             budget -= n
 
-    def _reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
+    def reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""
         if room.plenty:
             return []
-        return [slot for slot, position in rows if self._fit(room, slot.id, position, 1) == 0]
+        return [slot for slot, position in rows if self.fit(room, slot.id, position, 1) == 0]
 
-    def _preempt_youngest(self) -> Slot | None:
+    def preempt_youngest(self) -> Slot | None:
         """Preempt the most recently started running slot that holds KV (None: no slot does)."""
         holding = [s for s in self.slots if s.handle is not None and self.runner.seq_len[s.id] > 0]
         if not holding:
             return None
         victim = max(holding, key=lambda s: s.t_start)
-        self._preempt(victim)
+        self.preempt(victim)
         return victim
 
-    def _preempt(self, slot: Slot) -> None:
+    def preempt(self, slot: Slot) -> None:
         """Give back a running slot's KV; it reads what it held again when room returns."""
         if slot.state == SlotState.GENERATING:
             slot.replay = slot.cache
@@ -188,7 +192,7 @@ class SlotMemory:
         with self._cond:
             self.counters.kv_preemptions += 1
 
-    def _share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
+    def share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
         """Where another slot's cache or a held prefix holds more of the prompt than this slot's own (a shared system
         prompt, a conversation's earlier turns), take that sequence's blocks (kv_copy: held once, copied on write)
         instead of evaluating the prefix again; the caller truncates to the returned length. Only settled positions
@@ -205,7 +209,7 @@ class SlotMemory:
             self.counters.prompt_tokens_shared += shared - keep
         return shared
 
-    def _hold_prefix(self, slot: Slot, keep: int) -> None:
+    def hold_prefix(self, slot: Slot, keep: int) -> None:
         """Before an idle slot keeps only `keep` of its cache for a new prompt: have a held prefix take over the
         rest (its blocks shared), unless another sequence holds it already or it is short."""
         tokens = slot.cache[:self.runner.seq_len[slot.id]]

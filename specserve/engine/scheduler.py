@@ -24,8 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 from specserve.engine.draft_gate import MAX_DRAFTING_SLOTS, DraftGate, draft_cap
-from specserve.engine.host_cache import HostCache
-from specserve.engine.kv_room import KVRoom, SlotMemory, most_blocks
+from specserve.engine.kv_room import KVMemory, KVRoom, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, SlotDrafts
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
+class Scheduler(SlotResults, SlotJobs, SlotDrafts):
     """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -70,11 +69,11 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             raise SpecserveError(f"{n_slots} slots do not fit a runner of {runner.n_seqs} sequences")
         self.slots = [Slot(i) for i in range(n_slots)]
         self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
-        self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None
         self.counters = SchedulerCounters(kv_capacity=runner.ledger.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
+        self.memory = KVMemory(runner, self.slots, self.held, self.counters, self._cond, n_batch, host_cache_bytes)
         self._stopping = False
         self._in_flight: InFlight | None = None
         self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
@@ -125,7 +124,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             c = self.counters.copy()
         blocks = self.runner.ledger.blocks  # derived when asked, not kept up per step
         c.kv_tokens = blocks.used * blocks.block_size
-        c.host_cache_bytes = self.host_cache.bytes if self.host_cache is not None else 0
+        host = self.memory.host_cache
+        c.host_cache_bytes = host.bytes if host is not None else 0
         return c
 
     @property
@@ -267,13 +267,13 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
             if task.cache_prompt:
-                self._hold_prefix(slot, keep)
+                self.memory.hold_prefix(slot, keep)
             if slot.adapters != task.adapters:  # (the cache the slot held, if any, went to a held prefix)
                 self.runner.set_adapter_scales(slot.id, task.adapters)
                 slot.adapters = task.adapters
             if task.cache_prompt:
-                keep = self._share_prefix(slot, task.prompt, keep)
-                keep = self._from_host(slot, task.prompt, keep)
+                keep = self.memory.share_prefix(slot, task.prompt, keep)
+                keep = self.memory.from_host(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]
             slot.replay = []
@@ -330,18 +330,18 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         chained = {e.slot.id for e in fed}
         decoding = [s for s in self.slots
                     if s.state == SlotState.GENERATING and s.handle is not None and s.id not in chained]
-        starved = self._reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
+        starved = self.memory.reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
                                 + [(s, len(s.cache)) for s in decoding])
         while starved:
             if in_flight is not None:
                 return Plan()  # settle the step in flight first; then this may preempt
-            victim = self._preempt_youngest()
+            victim = self.memory.preempt_youngest()
             if victim is None:  # (no running slot holds KV, so none should starve): they wait
                 decoding = [s for s in decoding if s not in starved]
                 break
             decoding = [s for s in decoding if s is not victim]
             room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
-            starved = self._reserve(room, [(s, len(s.cache)) for s in decoding])
+            starved = self.memory.reserve(room, [(s, len(s.cache)) for s in decoding])
         plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
         # A slot whose step in flight carries a draft drafts again only once that draft is verified.
@@ -356,9 +356,9 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts, SlotMemory):
         reading = [s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
                    and s.handle is not None and s.id not in chained]
         if reading:
-            self._plan_reading(plan, reading, room)
+            self.memory.plan_reading(plan, reading, room)
         # (with no step in flight nothing is chained: `reading` holds every reading slot)
-        if not plan.entries and in_flight is None and reading and self._preempt_youngest() is not None:
+        if not plan.entries and in_flight is None and reading and self.memory.preempt_youngest() is not None:
             return self._plan(None)  # every reading slot waits for room that only a running one can give
         return plan
 

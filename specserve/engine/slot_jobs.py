@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.engine.kv_room import KVRoom
+from specserve.engine.kv_room import KVMemory, KVRoom
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.errors import SpecserveError
@@ -44,7 +44,7 @@ class SlotJobs:
     _cond: threading.Condition
     _stopping: bool
     _jobs: deque[SlotJob]
-    _evict_idle: Callable[[KVRoom, int], None]  # (kv_room.SlotMemory)
+    memory: KVMemory
 
     def submit_job(self, work: JobWork, slot: int | None = None) -> Future[Any]:
         """Run work(slot) on the scheduler's thread once `slot` (None: any slot) is idle; thread-safe. The future
@@ -91,7 +91,7 @@ class SlotJobs:
         try:
             return work(slot)
         except KVCacheFull:
-            self._evict_idle(KVRoom(self.runner.ledger.blocks, most=1 << 62), 1 << 62)
+            self.memory.evict_idle(KVRoom(self.runner.ledger.blocks, most=1 << 62), 1 << 62)
             return work(slot)
 
     def _fail_jobs(self, message: str) -> None:
