@@ -3,6 +3,8 @@ same model with W + s * alpha / r * B A merged into its weights, per sequence, s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from specserve.engine.local_runner import LocalRunner
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.batch import Batch
-from specserve.model.lora import read_adapter
+from specserve.model.lora import attach_adapters, read_adapter
 from tests.lora_files import write_adapter
 
 PROMPTS = ([1, 504, 2014, 314, 253, 1127, 28, 29, 30], [1, 2870, 11, 1005, 418, 2136, 30])
@@ -28,35 +30,55 @@ def adapters(smollm_path: Path, tmp_path_factory) -> tuple[Path, Path, dict, dic
                           output=False, std=0.02))
 
 
-def _runner(path: Path, adapters: list[Path] = (), **kw) -> LocalRunner:
+def float_runner(path: Path, adapters: list[Path] = (), **kw) -> LocalRunner:
     return LocalRunner(path, n_seqs=3, n_ctx=256, device="cpu", progress=False, weight_format="float",
                        adapters=adapters, **kw)
 
 
-def _merged(path: Path, pairs_and_factors: list[tuple[dict, float]]) -> LocalRunner:
-    """The model with each adapter's scaled B A added to its weights."""
-    runner = _runner(path)
+@pytest.fixture(scope="module")
+def plain(smollm_path: Path) -> LocalRunner:
+    return float_runner(smollm_path)
+
+
+@pytest.fixture(scope="module")
+def adapted(smollm_path: Path, adapters) -> LocalRunner:
+    one, two, _, _ = adapters
+    return float_runner(smollm_path, [one, two])
+
+
+@contextmanager
+def merged(runner: LocalRunner, pairs_and_factors: list[tuple[dict, float]]) -> Iterator[LocalRunner]:
+    """The runner's model with each adapter's scaled B A added to its weights, while in the block."""
     cfg = runner.config
     q, kv = cfg.q_size, cfg.n_kv_heads * cfg.head_dim
+    head = runner.model.head.head
+    output = head.w
+    changes = []
+    for pairs, factor in pairs_and_factors:
+        for name, (a, b) in pairs.items():
+            delta = factor * (b @ a)
+            if name == "output.weight":
+                head.w = head.w + delta
+                continue
+            layer = runner.weights.layers[int(name.split(".")[1])]
+            n = layer.w_gate_up.shape[0] // 2
+            target, start = {"attn_q": (layer.wqkv, 0), "attn_k": (layer.wqkv, q), "attn_v": (layer.wqkv, q + kv),
+                             "attn_output": (layer.wo, 0), "ffn_gate": (layer.w_gate_up, 0),
+                             "ffn_up": (layer.w_gate_up, n), "ffn_down": (layer.w_down, 0)}[name.split(".")[2]]
+            changes.append((target[start:start + delta.shape[0]], delta))
     with torch.inference_mode():
-        for pairs, factor in pairs_and_factors:
-            for name, (a, b) in pairs.items():
-                delta = factor * (b @ a)
-                if name == "output.weight":
-                    head = runner.model.head.head
-                    head.w = head.w + delta
-                    continue
-                layer = runner.weights.layers[int(name.split(".")[1])]
-                n = layer.w_gate_up.shape[0] // 2
-                part = name.split(".")[2]
-                target, start = {"attn_q": (layer.wqkv, 0), "attn_k": (layer.wqkv, q), "attn_v": (layer.wqkv, q + kv),
-                                 "attn_output": (layer.wo, 0), "ffn_gate": (layer.w_gate_up, 0),
-                                 "ffn_up": (layer.w_gate_up, n), "ffn_down": (layer.w_down, 0)}[part]
-                target[start:start + delta.shape[0]] += delta
-    return runner
+        for part, delta in changes:
+            part += delta
+    try:
+        yield runner
+    finally:
+        with torch.inference_mode():
+            for part, delta in changes:
+                part -= delta
+        head.w = output
 
 
-def _logits(runner: LocalRunner, seqs: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+def logits_of(runner: LocalRunner, seqs: dict[int, list[int]]) -> dict[int, torch.Tensor]:
     """Every row's logits, the sequences in one step."""
     batch = Batch()
     for seq, tokens in seqs.items():
@@ -70,35 +92,34 @@ def _logits(runner: LocalRunner, seqs: dict[int, list[int]]) -> dict[int, torch.
     return out
 
 
-def test_adapter_equals_merged_weights_per_sequence(smollm_path: Path, adapters) -> None:
-    one, _, pairs, _ = adapters
-    runner = _runner(smollm_path, [one])
-    runner.set_adapter_scales(0, (0.7,))  # seq 1: no scales (0)
-    got = _logits(runner, {0: PROMPTS[0], 1: PROMPTS[1]})
-    merged = _logits(_merged(smollm_path, [(pairs, 0.7 * ALPHA / RANK)]), {0: PROMPTS[0]})[0]
-    base = _logits(_runner(smollm_path), {1: PROMPTS[1]})[1]
-    assert (merged - base[:1].mean()).abs().max() > 0  # (the adapter matters)
-    torch.testing.assert_close(got[0], merged, atol=2e-3, rtol=1e-4)
-    torch.testing.assert_close(got[1], base, atol=1e-4, rtol=1e-5)
-    assert (got[0] - _logits(_runner(smollm_path), {0: PROMPTS[0]})[0]).abs().max() > 1.0
+def test_adapter_equals_merged_weights_per_sequence(plain: LocalRunner, adapted: LocalRunner, adapters) -> None:
+    _, _, pairs, _ = adapters
+    adapted.set_adapter_scales(0, (0.7, 0.0))
+    adapted.set_adapter_scales(1, ())
+    got = logits_of(adapted, {0: PROMPTS[0], 1: PROMPTS[1]})
+    base = logits_of(plain, {0: PROMPTS[0], 1: PROMPTS[1]})
+    with merged(plain, [(pairs, 0.7 * ALPHA / RANK)]):
+        want = logits_of(plain, {0: PROMPTS[0]})[0]
+    torch.testing.assert_close(got[0], want, atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(got[1], base[1], atol=1e-4, rtol=1e-5)
+    assert (got[0] - base[0]).abs().max() > 1.0  # (the adapter matters)
 
 
-def test_two_adapters_in_one_step(smollm_path: Path, adapters) -> None:
+def test_two_adapters_in_one_step(plain: LocalRunner, adapted: LocalRunner, adapters) -> None:
     """Alpha 0 takes the scale as it is (llama.cpp); each sequence its own mix of the two."""
-    one, two, pairs_one, pairs_two = adapters
-    runner = _runner(smollm_path, [one, two])
-    runner.set_adapter_scales(0, (1.0, 0.0))
-    runner.set_adapter_scales(1, (0.5, -1.5))
-    runner.set_adapter_scales(2, (0.0, 2.0))
-    got = _logits(runner, {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[0]})
+    _, _, pairs_one, pairs_two = adapters
+    adapted.set_adapter_scales(0, (1.0, 0.0))
+    adapted.set_adapter_scales(1, (0.5, -1.5))
+    adapted.set_adapter_scales(2, (0.0, 2.0))
+    got = logits_of(adapted, {0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[0]})
     f = ALPHA / RANK
     want = {0: [(pairs_one, f)], 1: [(pairs_one, 0.5 * f), (pairs_two, -1.5)], 2: [(pairs_two, 2.0)]}
     for seq, mix in want.items():
-        prompt = PROMPTS[seq % 2]
-        torch.testing.assert_close(got[seq], _logits(_merged(smollm_path, mix), {0: prompt})[0], atol=2e-3, rtol=1e-4)
+        with merged(plain, mix):
+            torch.testing.assert_close(got[seq], logits_of(plain, {0: PROMPTS[seq % 2]})[0], atol=2e-3, rtol=1e-4)
 
 
-def test_greedy_decode_with_packed_weights(smollm_path: Path, adapters) -> None:
+def test_packed_weights_take_adapters(smollm_path: Path, adapted: LocalRunner, adapters) -> None:
     """The CPU's packed-weight products take the adapters too: scale 0 is the plain model exactly, and a scale
     moves the logits as it moves the float model's."""
     one, _, _, _ = adapters
@@ -106,17 +127,20 @@ def test_greedy_decode_with_packed_weights(smollm_path: Path, adapters) -> None:
                          adapters=[one])
     plain = LocalRunner(smollm_path, n_seqs=2, n_ctx=256, device="cpu", progress=False, weight_format="gguf")
     packed.set_adapter_scales(1, (1.0,))
-    got = _logits(packed, {0: PROMPTS[0], 1: PROMPTS[0]})
-    torch.testing.assert_close(got[0], _logits(plain, {0: PROMPTS[0]})[0], atol=0, rtol=0)
-    float_runner = _runner(smollm_path, [one])
-    float_runner.set_adapter_scales(0, (1.0,))
-    moved = _logits(float_runner, {0: PROMPTS[0], 1: PROMPTS[0]})
+    got = logits_of(packed, {0: PROMPTS[0], 1: PROMPTS[0]})
+    torch.testing.assert_close(got[0], logits_of(plain, {0: PROMPTS[0]})[0], atol=0, rtol=0)
+    adapted.set_adapter_scales(0, (1.0, 0.0))
+    adapted.set_adapter_scales(1, ())
+    moved = logits_of(adapted, {0: PROMPTS[0], 1: PROMPTS[0]})
     want, got_moved = moved[0] - moved[1], got[1] - got[0]
     assert want.abs().max() > 1.0
     assert (got_moved - want).norm() < 0.25 * want.norm()  # (packed products round activations to int8: ~0.14)
 
 
-def test_bad_adapter_files(smollm_path: Path, tmp_path: Path) -> None:
+def test_bad_adapter_files(smollm_path: Path, plain: LocalRunner, tmp_path: Path) -> None:
+    def attach(path: Path) -> None:
+        attach_adapters(plain.model, plain.config, [read_adapter(path)], plain.n_seqs)
+
     with pytest.raises(SpecserveError, match="not a LoRA adapter"):
         read_adapter(smollm_path)
     bad = tmp_path / "embd.gguf"
@@ -124,7 +148,7 @@ def test_bad_adapter_files(smollm_path: Path, tmp_path: Path) -> None:
                   extra={"token_embd.weight.lora_a": np.zeros((2, 576), np.float32),
                          "token_embd.weight.lora_b": np.zeros((49152, 2), np.float32)})
     with pytest.raises(SpecserveError, match="attention and dense feed-forward matrices"):
-        _runner(smollm_path, [bad])
+        attach(bad)
     lonely = tmp_path / "lonely.gguf"
     write_adapter(lonely, smollm_path, matrices=(), output=False,
                   extra={"blk.0.attn_q.weight.lora_a": np.zeros((2, 576), np.float32)})
@@ -135,9 +159,10 @@ def test_bad_adapter_files(smollm_path: Path, tmp_path: Path) -> None:
                   extra={"blk.0.attn_q.weight.lora_a": np.zeros((2, 100), np.float32),
                          "blk.0.attn_q.weight.lora_b": np.zeros((576, 2), np.float32)})
     with pytest.raises(SpecserveError, match="does not fit"):
-        _runner(smollm_path, [wrong])
+        attach(wrong)
+    assert plain.model.adapter_scales is None  # (a refused file attaches nothing)
     with pytest.raises(NotSupported, match="no LoRA adapters"):
-        _runner(smollm_path).set_adapter_scales(0, (1.0,))
+        plain.set_adapter_scales(0, (1.0,))
 
 
 def test_adapters_need_a_local_runner() -> None:

@@ -1,5 +1,5 @@
 """LoRA adapters through a real `specserve serve` (--lora, --lora-scaled, /lora-adapters, a request's `lora`):
-greedy output equals the merged weights' in-process, with and without adapters side by side, and a prompt
+greedy output equals an adapted runner's in-process, with and without adapters side by side, and a prompt
 cached without an adapter is never reused with one."""
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from specserve.model.batch import Batch
 from tests.helpers import prefill
 from tests.lora_files import write_adapter
 from tests.server_utils import ServerProcess
-from tests.test_lora import ALPHA, RANK, _merged
+from tests.test_lora import ALPHA, RANK
 
 PROMPT = [1, 504, 2014, 314, 253, 1127, 28, 29, 30, 1380, 314]
 N = 12
 
 
 @pytest.fixture(scope="module")
-def files(smollm_path: Path, tmp_path_factory) -> tuple[Path, Path, dict]:
+def files(smollm_path: Path, tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("lora_server")
     one, two = d / "one.gguf", d / "two.gguf"
-    pairs = write_adapter(one, smollm_path, rank=RANK, alpha=ALPHA, seed=3)
+    write_adapter(one, smollm_path, rank=RANK, alpha=ALPHA, seed=3)
     write_adapter(two, smollm_path, rank=2, alpha=0.0, seed=4, matrices=("attn_v",), output=False)
-    return one, two, pairs
+    return one, two
 
 
 @pytest.fixture(scope="module")
 def server(files) -> Iterator[ServerProcess]:
-    one, two, _ = files
+    one, two = files
     srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--weight-format", "float", "-np", "2",
                         "-c", "2048", "--lora-scaled", f"{one}:0.5", "--lora", str(two))
     try:
@@ -55,10 +55,14 @@ def _greedy(runner: LocalRunner, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def references(smollm_path: Path, files) -> dict[str, list[int]]:
-    _, _, pairs = files
-    plain = LocalRunner(smollm_path, n_seqs=1, n_ctx=256, device="cpu", progress=False, weight_format="float")
-    return {"plain": _greedy(plain, PROMPT, N),
-            "one": _greedy(_merged(smollm_path, [(pairs, 1.5 * ALPHA / RANK)]), PROMPT, N)}
+    """Greedy tokens in-process, with the adapter at 1.5 and without (test_lora.py: an adapted runner gives the
+    merged weights' logits)."""
+    one, _ = files
+    runner = LocalRunner(smollm_path, n_seqs=1, n_ctx=256, device="cpu", progress=False, weight_format="float",
+                         adapters=[one])
+    plain = _greedy(runner, PROMPT, N)
+    runner.set_adapter_scales(0, (1.5,))
+    return {"plain": plain, "one": _greedy(runner, PROMPT, N)}
 
 
 def _tokens(server: ServerProcess, **fields) -> list[int]:
@@ -66,7 +70,7 @@ def _tokens(server: ServerProcess, **fields) -> list[int]:
 
 
 def test_adapters_listed_and_set(server: ServerProcess, files) -> None:
-    one, two, _ = files
+    one, two = files
     assert server.get("/lora-adapters").json() == [{"id": 0, "path": str(one), "scale": 0.5},
                                                    {"id": 1, "path": str(two), "scale": 1.0}]
     r = server.post("/lora-adapters", [{"id": 1, "scale": 0.25}])
@@ -79,7 +83,7 @@ def test_adapters_listed_and_set(server: ServerProcess, files) -> None:
     assert [a["scale"] for a in server.get("/lora-adapters").json()] == [0.0, 0.25]  # (unchanged)
 
 
-def test_request_adapters_equal_merged_weights(server: ServerProcess, references) -> None:
+def test_request_adapters_follow_the_request(server: ServerProcess, references) -> None:
     assert server.post("/lora-adapters", []).status_code == 200  # every global scale 0
     plain = _tokens(server)
     assert plain == references["plain"]
