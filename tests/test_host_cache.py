@@ -3,6 +3,7 @@ and read back for a prompt that starts with them, with the text plain greedy giv
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.engine.host_cache import HostCache
@@ -29,9 +30,13 @@ def _run(runner: LocalRunner, tokenizer, prompts: list[str], host_bytes: int) ->
         sched.shutdown()
 
 
-def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, smollm_tokenizer) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, smollm_tokenizer, device) -> None:
     # A pool of 320 positions: the third prompt makes the pool give up the first's cache.
-    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device="cpu", progress=False)
+    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device=device, progress=False)
     first, second, third = _text(1), _text(2), _text(3, 140)
     again = first + " and then some more words"
     prompts = [first, second, third, again]
@@ -41,7 +46,7 @@ def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, sm
     result = with_host[3][1]
     n_first = len(smollm_tokenizer.encode(first))
     assert result.n_cached >= n_first - 1 and c.prompt_tokens_host >= n_first - 16
-    fresh = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device="cpu", progress=False)
+    fresh = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device=device, progress=False)
     without, plain = _run(fresh, smollm_tokenizer, prompts, 0)
     assert plain.counters_snapshot().prompt_tokens_host == 0 and without[3][1].n_cached < n_first / 2
     assert [text for text, _ in with_host] == [text for text, _ in without]

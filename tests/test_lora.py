@@ -171,3 +171,32 @@ def test_adapters_need_a_local_runner() -> None:
     for where in ({"tensor_parallel": 2}, {"remote": RemoteOptions("unix:/nonexistent")}):
         with pytest.raises(NotSupported, match="not with --remote or --tensor-parallel"):
             load_with_draft("smollm2-135m", None, adapters=["x.gguf"], **where)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adapters_in_cuda_graphs(smollm_path: Path, adapters) -> None:
+    """On CUDA (bf16) the captured decode graphs read each row's scales: the same logits as eager steps, with and
+    without adapters in one step."""
+    one, two, _, _ = adapters
+    kw = dict(n_seqs=3, n_ctx=256, device="cuda", progress=False, weight_format="float", adapters=[one, two])
+    graphed, eager = LocalRunner(smollm_path, **kw), LocalRunner(smollm_path, cuda_graphs=False, **kw)
+    assert graphed.graphs is not None
+    graphed.warmup(max_rows=4, sequences=3)
+    out = []
+    for runner in (graphed, eager):
+        runner.set_adapter_scales(0, (1.0, 0.5))
+        runner.set_adapter_scales(2, (0.0, 2.0))  # seq 1: none
+        for seq in range(3):
+            logits_of(runner, {seq: PROMPTS[seq % 2]})
+        batch = Batch()
+        for seq in range(3):
+            batch.add_row(7 + seq, len(PROMPTS[seq % 2]), seq, True)
+        out.append(runner.forward(batch))
+    torch.testing.assert_close(out[0], out[1], atol=0.1, rtol=0.02)
+    plain = LocalRunner(smollm_path, n_seqs=3, n_ctx=256, device="cuda", progress=False, weight_format="float",
+                        cuda_graphs=False)
+    logits_of(plain, {1: PROMPTS[1]})
+    row = Batch()
+    row.add_row(8, len(PROMPTS[1]), 1, True)
+    torch.testing.assert_close(out[0][1:2], plain.forward(row), atol=0.1, rtol=0.02)  # (no scales: the base model)
+    assert (out[0][0] - out[0][1]).abs().max() > 1.0
