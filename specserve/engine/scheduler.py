@@ -23,11 +23,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from specserve.engine.draft_gate import MAX_DRAFTING_SLOTS, DraftGate, draft_cap
+from specserve.engine.draft_gate import DraftGate
 from specserve.engine.kv_room import KVMemory, KVRoom, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
-from specserve.engine.slot_drafts import ChainFactory, SlotDrafts
+from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
 from specserve.engine.slot_jobs import SlotJob, SlotJobs
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Scheduler(SlotResults, SlotJobs, SlotDrafts):
+class Scheduler(SlotResults, SlotJobs):
     """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -77,13 +77,9 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self._stopping = False
         self._in_flight: InFlight | None = None
         self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
-        self._gate = DraftGate() if overlap and adaptive_drafts else None
+        self.drafting = DraftPolicy(runner, self.n_ctx, chain_factory, DraftGate() if overlap and adaptive_drafts
+                                    else None, chain_drafts, self._fail)
         self._halve_room = runner.device.type == "cuda"
-        self._drafts_allowed = True
-        self._chain_drafts_under_load = chain_drafts and self._gate is not None
-        self._chain_drafts = False  # this turn: drafted steps are chained (busy slots past MAX_DRAFTING_SLOTS)
-        self._draft_turn = 0
-        self._draft_cap = draft_cap(1)
         self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
         # Called on the loop's thread after each turn and after the drain (the engine core's process sends the
@@ -143,8 +139,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         while True:
             with self._cond:
                 while not self._stopping and not self.busy:
-                    if self._gate is not None:
-                        self._gate.pause()
+                    self.drafting.pause()
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -179,16 +174,10 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
 
     def _turn(self) -> None:
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
-        self._draft_cap = draft_cap(generating)
-        if self._gate is not None:
-            # Every busy slot counts (requests_processing), prompt readers too: a drafting turn unchains their chunks.
-            busy = self.counters.requests_processing
-            self._drafts_allowed = self._gate.allow(busy)
-            self._chain_drafts = self._chain_drafts_under_load and busy > MAX_DRAFTING_SLOTS
-            self._drafts_allowed |= self._chain_drafts
+        self.drafting.begin_turn(generating, self.counters.requests_processing)
         if generating > 1:
             with self._cond:
-                if self._drafts_allowed:
+                if self.drafting.allowed:
                     self.counters.turns_drafting += 1
                 else:
                     self.counters.turns_plain += 1
@@ -201,13 +190,13 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         self._in_flight = self._launch(self._plan(live)) if self.overlap and self._chainable(live) else None
         # While the device works: the speculators' bookkeeping. Skipped while no slot may draft (it catches up at
         # the next draft), since with many slots the host is what limits a step.
-        for entry in live if self._drafts_allowed else ():
+        for entry in live if self.drafting.allowed else ():
             slot = entry.slot
             if not entry.prompt and slot.use_chain and slot.chain is not None and slot.runs(entry.task_id):
                 try:
                     slot.chain.prepare(slot.cache)
                 except Exception as exc:
-                    self._drafting_failed(slot, exc)
+                    self.drafting.failed(slot, exc)
         # An unchained step (a draft to verify) leaves the device idle until the next is planned: plan and
         # launch it before handing out this step's events, whose readers would hold the GIL meanwhile.
         self._outbox = []
@@ -287,9 +276,9 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             slot.sampler.reset(task.prompt)
             slot.note_task_kind()
             slot.stream = TextStream(self.tokenizer, task.stop, task.keep_special)
-            self._prepare_chain(slot, task.spec)
+            self.drafting.prepare_chain(slot, task.spec)
             if task.prediction:
-                self._attach_prediction(slot, task.prediction)
+                self.drafting.attach_prediction(slot, task.prediction)
             slot.use_chain = slot.chain is not None and task.spec.n_max > 0
             members = slot.chain.members if slot.chain is not None else []
             slot.spec_base = {m.name: (m.stats.gen_tokens, m.stats.acc_tokens) for m in members}
@@ -312,7 +301,7 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
             slot, task = e.slot, e.slot.task
             if e.prompt and not e.final:
                 continue
-            if not slot.greedy_only or e.n_rows != 1 and not e.prompt and not self._chain_drafts:
+            if not slot.greedy_only or e.n_rows != 1 and not e.prompt and not self.drafting.chained:
                 return False
             decoded = slot.n_decoded + 1  # after this step, at least
             if 0 <= task.n_predict <= decoded or self._fed_position(e) >= self.n_ctx:
@@ -346,8 +335,8 @@ class Scheduler(SlotResults, SlotJobs, SlotDrafts):
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
         # A slot whose step in flight carries a draft drafts again only once that draft is verified.
         drafts: dict[int, list[int] | None] = {}
-        if self._drafts_allowed:
-            drafts = self._drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed
+        if self.drafting.allowed:
+            drafts = self.drafting.drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed
                                    if not e.prompt and e.n_rows == 1] + [(s, s.n_decoded, 0) for s in decoding])
         for e in fed:
             self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)

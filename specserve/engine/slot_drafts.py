@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from specserve.engine.draft_gate import DRAFT_ROWS, SURPLUS_RECOVERY
+from specserve.engine.draft_gate import DRAFT_ROWS, MAX_DRAFTING_SLOTS, SURPLUS_RECOVERY, DraftGate, draft_cap
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.speculative.base import Chain, SpecParams, draft_chains
@@ -19,20 +19,44 @@ log = logging.getLogger(__name__)
 ChainFactory = Callable[[SpecParams, int], Chain | None]  # (params, slot id) -> the slot's speculator chain
 
 
-class SlotDrafts:
-    """The scheduler's drafting (Scheduler provides these attributes)."""
+class DraftPolicy:
+    """Which slots draft this turn and how much (the draft gate's verdict, chained drafts under load, each slot's
+    draft room), each slot's chain (built, reused, or led by its prediction), and a step's asks drafted together.
+    `fail` ends a slot's task when its speculator raises."""
 
-    runner: Runner
-    n_ctx: int
-    chain_factory: ChainFactory | None
-    _drafts_allowed: bool
-    _chain_drafts: bool
-    _draft_turn: int  # steps drafted for (the chained drafts' rotation)
-    _draft_cap: int
+    def __init__(self, runner: Runner, n_ctx: int, chain_factory: ChainFactory | None, gate: DraftGate | None,
+                 chain_drafts: bool, fail: Callable[[Slot, str], None]):
+        self.runner = runner
+        self.n_ctx = n_ctx
+        self.chain_factory = chain_factory
+        self._gate = gate
+        self._chain_under_load = chain_drafts and gate is not None
+        self._fail = fail
+        self.allowed = True  # this turn: slots may draft
+        self.chained = False  # this turn: drafted steps are chained (busy slots past MAX_DRAFTING_SLOTS)
+        self._turn = 0  # steps drafted for (the chained drafts' rotation)
+        self._cap = draft_cap(1)
 
-    def _fail(self, slot: Slot, message: str) -> None: ...
+    def begin_turn(self, generating: int, busy: int) -> None:
+        """A turn with `generating` slots generating and `busy` slots busy (prompt readers too: a drafting turn
+        unchains their chunks)."""
+        self._cap = draft_cap(generating)
+        if self._gate is not None:
+            self.allowed = self._gate.allow(busy)
+            self.chained = self._chain_under_load and busy > MAX_DRAFTING_SLOTS
+            self.allowed |= self.chained
 
-    def _prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
+    def count(self, tokens: int) -> None:
+        """A slot's settled tokens, for the gate's rate."""
+        if self._gate is not None:
+            self._gate.count(tokens)
+
+    def pause(self) -> None:
+        """The time from now until the next turn is not a turn's (the gate's clock stops)."""
+        if self._gate is not None:
+            self._gate.pause()
+
+    def prepare_chain(self, slot: Slot, spec: SpecParams) -> None:
         if spec.n_max == 0 or self.chain_factory is None:
             return  # speculation off for this task; keep the slot's chain for later tasks
         key = replace(spec, n_max=0, n_min=0)  # draft limits are passed per draft() call
@@ -42,7 +66,7 @@ class SlotDrafts:
             slot.spec_seen = {}
 
     @staticmethod
-    def _attach_prediction(slot: Slot, prediction: list[int]) -> None:
+    def attach_prediction(slot: Slot, prediction: list[int]) -> None:
         """The task's prediction drafts first, before the slot's own speculators; the chain is the task's alone
         (the next task builds the slot's chain again)."""
         members = slot.chain.members if slot.chain is not None else []
@@ -50,7 +74,7 @@ class SlotDrafts:
         slot.chain_key = None
         slot.spec_seen.pop(PredictionDrafter.name, None)  # a new drafter: its counts start from zero
 
-    def _drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | None]:
+    def drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | None]:
         """The drafts of a step's slots, by slot id, all asked at once (`draft_chains`: the draft model drafts
         for them together). An ask is (slot, tokens decoded when the step lands, ahead: positions already taken
         past the slot's last token, the fed one, which a draft's first token stands for). None: drafting raised
@@ -60,9 +84,9 @@ class SlotDrafts:
         asks = [ask for ask in asks if ask[0].use_chain]
         # Chained drafts share DRAFT_ROWS rows a step (with hundreds of slots a floor per slot would crowd out
         # the prompt chunks); which slots get them rotates from step to step.
-        budget = DRAFT_ROWS if self._chain_drafts else None
-        self._draft_turn += 1
-        start = self._draft_turn % len(asks) if asks else 0
+        budget = DRAFT_ROWS if self.chained else None
+        self._turn += 1
+        start = self._turn % len(asks) if asks else 0
         for slot, n_decoded, ahead in asks[start:] + asks[:start]:
             limit = self._draft_limit(slot, slot.cache, n_decoded, ahead)
             if budget is not None and limit is not None:
@@ -78,7 +102,7 @@ class SlotDrafts:
                 try:
                     drafts[slot.id] = draft_chains([ask])[0]
                 except Exception as exc:
-                    self._drafting_failed(slot, exc)
+                    self.failed(slot, exc)
                     drafts[slot.id] = None
         return drafts
 
@@ -87,18 +111,18 @@ class SlotDrafts:
         the slot does not draft."""
         task = slot.task
         spec = task.spec
-        if (not self._drafts_allowed or not slot.use_chain or slot.chain is None or slot.handle is None
+        if (not self.allowed or not slot.use_chain or slot.chain is None or slot.handle is None
                 or slot.handle.cancelled):
             return None
-        if self._chain_drafts and slot.draft_surplus < 0:  # its chained drafts have not paid lately
+        if self.chained and slot.draft_surplus < 0:  # its chained drafts have not paid lately
             slot.draft_surplus += SURPLUS_RECOVERY
             return None
         room = self.n_ctx - len(history) - 1  # positions left after `last`
         left = task.n_predict - n_decoded - 1 + ahead if task.n_predict >= 0 else room
-        limit = min(self.runner.draft_limit(min(spec.n_max, self._draft_cap, slot.draft_room)) + ahead, left, room)
+        limit = min(self.runner.draft_limit(min(spec.n_max, self._cap, slot.draft_room)) + ahead, left, room)
         return limit if limit >= max(spec.n_min, 1) + ahead else None
 
-    def _drafting_failed(self, slot: Slot, exc: Exception) -> None:
+    def failed(self, slot: Slot, exc: Exception) -> None:
         """A speculator raised (draft or prepare): that slot's task fails, the others go on."""
         log.exception("drafting failed on slot %d", slot.id)
         self._fail(slot, f"speculative drafting failed: {exc}")

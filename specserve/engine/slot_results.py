@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from specserve.engine.draft_gate import DraftGate, chained_surplus, next_room
+from specserve.engine.draft_gate import chained_surplus, next_room
 from specserve.engine.runner import Runner
+from specserve.engine.slot_drafts import DraftPolicy
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
 from specserve.engine.step_trace import TRACE
@@ -32,9 +33,8 @@ class SlotResults:
     slots: list[Slot]
     counters: SchedulerCounters
     _cond: threading.Condition
-    _gate: DraftGate | None
+    drafting: DraftPolicy
     _outbox: list[tuple[TaskHandle, Event]] | None
-    _chain_drafts: bool  # this turn's drafted steps are chained (Scheduler)
     _halve_room: bool  # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
 
     def _post(self, handle: TaskHandle, event: Event) -> None:
@@ -141,7 +141,7 @@ class SlotResults:
             drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
             slot.draft_n += drafted
             slot.draft_accepted += accepted
-            if self._chain_drafts:
+            if self.drafting.chained:
                 slot.draft_surplus = chained_surplus(slot.draft_surplus, len(out), len(out) == e.n_rows)
             if e.draft:
                 slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max,
@@ -190,8 +190,7 @@ class SlotResults:
             if 0 <= task.n_predict <= slot.n_decoded:
                 stop_type = "limit"
                 break
-        if self._gate is not None:
-            self._gate.count(len(emitted))
+        self.drafting.count(len(emitted))
         if not stop_type and task.constraint is not None and task.constraint.done:
             stop_type = "eos"  # the grammar is complete: nothing but end-of-generation could follow
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
@@ -302,8 +301,8 @@ class SlotResults:
         slot.state = SlotState.IDLE
         slot.last_used = time.perf_counter()
         self.counters.requests_processing = sum(s.handle is not None for s in self.slots)
-        if self._gate is not None and not self.counters.requests_processing:
-            self._gate.pause()  # the time until the next task is not a turn's
+        if not self.counters.requests_processing:
+            self.drafting.pause()  # the time until the next task is not a turn's
 
     def _end_chain(self, slot: Slot) -> None:
         if slot.chain is None:
