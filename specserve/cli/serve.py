@@ -21,7 +21,7 @@ _ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY"
                   "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
                   "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS", "reasoning_format": "LLAMA_ARG_THINK",
                   "reasoning_budget": "LLAMA_ARG_THINK_BUDGET"}
-_NO_ENV = {"spec_replace"}  # two values a use: no env var, as in llama-server
+_NO_ENV = {"spec_replace", "lora"}  # two values a use, or a list of files: no env var, as in llama-server
 
 
 def env_name(action: argparse.Action) -> str | None:
