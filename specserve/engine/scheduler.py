@@ -22,13 +22,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from specserve.engine.draft_gate import DraftGate
 from specserve.engine.kv_room import KVMemory, KVRoom, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
-from specserve.engine.slot_jobs import SlotJob, SlotJobs
+from specserve.engine.slot_jobs import JobQueue, JobWork
 from specserve.engine.slot_results import SlotResults
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Scheduler(SlotResults, SlotJobs):
+class Scheduler(SlotResults):
     """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -71,9 +73,9 @@ class Scheduler(SlotResults, SlotJobs):
         self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
         self.counters = SchedulerCounters(kv_capacity=runner.ledger.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
-        self._jobs: deque[SlotJob] = deque()  # embeddings, slot files (slot_jobs.py)
         self._cond = threading.Condition()
         self.memory = KVMemory(runner, self.slots, self.held, self.counters, self._cond, n_batch, host_cache_bytes)
+        self.jobs = JobQueue(runner, self.slots, self._cond, self.memory, lambda: self._stopping)  # (slot_jobs.py)
         self._stopping = False
         self._in_flight: InFlight | None = None
         self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
@@ -111,6 +113,10 @@ class Scheduler(SlotResults, SlotJobs):
             self._cond.notify_all()
         return handle
 
+    def submit_job(self, work: JobWork, slot: int | None = None) -> Future[Any]:
+        """Run work(slot) on the scheduler's thread once `slot` (None: any slot) is idle (slot_jobs.py)."""
+        return self.jobs.submit(work, slot)
+
     def slots_json(self) -> list[dict[str, object]]:
         with self._cond:
             return [s.to_json(self.n_ctx) for s in self.slots]
@@ -126,7 +132,7 @@ class Scheduler(SlotResults, SlotJobs):
 
     @property
     def busy(self) -> bool:
-        return (bool(self._queue) or bool(self._jobs) or any(s.handle is not None for s in self.slots)
+        return (bool(self._queue) or self.jobs.pending or any(s.handle is not None for s in self.slots)
                 or self._in_flight is not None)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -155,8 +161,8 @@ class Scheduler(SlotResults, SlotJobs):
         for slot in self.slots:  # (outside the lock: ending a speculator may write its cache file)
             if slot.handle is not None and slot.handle.cancelled:
                 self._finish(slot, "cancelled")
-        if self._in_flight is None and self._jobs:  # before queued tasks take the idle slots
-            self._run_jobs()
+        if self._in_flight is None and self.jobs.pending:  # before queued tasks take the idle slots
+            self.jobs.run()
         with self._cond:
             started = self._admit()
         for handle in started:
@@ -202,7 +208,7 @@ class Scheduler(SlotResults, SlotJobs):
         self._outbox = []
         try:
             self._settle(current, live)
-            if self._in_flight is None and self.overlap and not (self._jobs and self._job_ready()):
+            if self._in_flight is None and self.overlap and not (self.jobs.pending and self.jobs.ready()):
                 self._in_flight = self._launch(self._plan(None))
         finally:
             outbox, self._outbox = self._outbox, None
@@ -243,7 +249,7 @@ class Scheduler(SlotResults, SlotJobs):
                     self._fail(slot, message)
             while self._queue:
                 self._queue.popleft().emit(Failure(message))
-            self._fail_jobs(message)
+            self.jobs.fail_all(message)
 
     # -- task start ----------------------------------------------------------------------------------
 
@@ -295,7 +301,7 @@ class Scheduler(SlotResults, SlotJobs):
         if not live and not self._queue and not any(s.state in (SlotState.PROMPT, SlotState.RESUMING)
                                                     for s in self.slots):
             return False
-        if self._jobs and self._job_ready():  # let it run at the next turn, with no step in flight
+        if self.jobs.pending and self.jobs.ready():  # let it run at the next turn, with no step in flight
             return False
         for e in live:
             slot, task = e.slot, e.slot.task

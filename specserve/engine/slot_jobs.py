@@ -36,24 +36,31 @@ class SlotJob:
     future: Future[Any] = field(default_factory=Future)
 
 
-class SlotJobs:
-    """The scheduler's job queue (Scheduler provides these attributes)."""
+class JobQueue:
+    """The scheduler's slot jobs: queued from any thread, run by the scheduler's thread between steps. It shares
+    the scheduler's slots, lock and pool memory; `stopping()` says whether the scheduler is shutting down."""
 
-    runner: Runner
-    slots: list[Slot]
-    _cond: threading.Condition
-    _stopping: bool
-    _jobs: deque[SlotJob]
-    memory: KVMemory
+    def __init__(self, runner: Runner, slots: list[Slot], lock: threading.Condition, memory: KVMemory,
+                 stopping: Callable[[], bool]):
+        self.runner = runner
+        self.slots = slots
+        self._cond = lock
+        self.memory = memory
+        self._stopping = stopping
+        self._jobs: deque[SlotJob] = deque()
 
-    def submit_job(self, work: JobWork, slot: int | None = None) -> Future[Any]:
+    @property
+    def pending(self) -> bool:
+        return bool(self._jobs)
+
+    def submit(self, work: JobWork, slot: int | None = None) -> Future[Any]:
         """Run work(slot) on the scheduler's thread once `slot` (None: any slot) is idle; thread-safe. The future
         holds its value, or its exception (SpecserveError for bad input)."""
         if slot is not None and not 0 <= slot < len(self.slots):
             raise SpecserveError(f"Invalid slot ID {slot} (this server has slots 0..{len(self.slots) - 1})")
         job = SlotJob(work, slot)
         with self._cond:
-            if self._stopping:
+            if self._stopping():
                 raise SpecserveError("the server is shutting down")
             self._jobs.append(job)
             self._cond.notify_all()
@@ -66,10 +73,10 @@ class SlotJobs:
         idle = [s for s in self.slots if s.handle is None]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
-    def _job_ready(self) -> bool:
+    def ready(self) -> bool:
         return any(self._idle_slot(job) is not None for job in self._jobs)
 
-    def _run_jobs(self) -> None:
+    def run(self) -> None:
         """(No step in flight.) Run every job whose slot is idle, in order of submission."""
         with self._cond:
             ready = [(job, slot) for job in self._jobs if (slot := self._idle_slot(job)) is not None]
@@ -94,7 +101,7 @@ class SlotJobs:
             self.memory.evict_idle(KVRoom(self.runner.ledger.blocks, most=1 << 62), 1 << 62)
             return work(slot)
 
-    def _fail_jobs(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
         """(Under the lock.)"""
         while self._jobs:
             job = self._jobs.popleft()
