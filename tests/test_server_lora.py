@@ -128,3 +128,18 @@ def test_lora_flag_errors(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and message in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_generate_takes_adapters(server: ServerProcess, files) -> None:
+    """`specserve generate --lora-scaled` writes what the server answers with the same scale."""
+    import subprocess
+    import sys
+
+    one, _ = files
+    prompt = "The three laws of thermodynamics are"
+    out = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "-m", "smollm2-135m", "--device", "cpu",
+                          "--weight-format", "float", "--temp", "0", "-n", "12", "-p", prompt,
+                          "--lora-scaled", f"{one}:1.5"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    tuned = server.complete(prompt, 12, lora=[{"id": 0, "scale": 1.5}])["content"]
+    assert out.stdout.strip() == tuned.strip() != server.complete(prompt, 12, lora=[])["content"].strip()

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from specserve.cli.args import add_model_args, add_sampling_args, add_spec_args
+from specserve.cli.serve_flags import LoraFiles
 from specserve.cli.session import GenerationSession
 from specserve.errors import SpecserveError
 
@@ -35,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument("-n", "--n-predict", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--lora", action=LoraFiles, dest="lora", default=[], metavar="FNAME",
+                   help="a LoRA adapter (llama.cpp's GGUF adapter file) at scale 1; repeat or comma-separate")
+    p.add_argument("--lora-scaled", action=LoraFiles, dest="lora", metavar="FNAME:SCALE",
+                   help="a LoRA adapter at a scale of its own")
     add_sampling_args(p)
     add_spec_args(p)
     p.set_defaults(func=cmd_generate)

@@ -31,7 +31,7 @@ def _pair(g: argparse._ArgumentGroup, on: list[str], off: list[str], dest: str, 
     g.add_argument(*off, dest=dest, action="store_false", help=argparse.SUPPRESS)
 
 
-class _LoraFiles(argparse.Action):
+class LoraFiles(argparse.Action):
     """--lora FNAME[,FNAME...] (scale 1) and --lora-scaled FNAME:SCALE[,...] into one list, in the order given
     (an adapter's id is its place in it, as llama-server numbers them)."""
 
@@ -80,9 +80,9 @@ def add_llama_server_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--spec-replace", nargs=2, action="append", default=[], metavar=("TARGET", "DRAFT"),
                    help="accepted: no effect, as a draft model must share the target's vocabulary here")
     g.add_argument("--tags", default=None, help="model tags, comma-separated (informational: /v1/models)")
-    g.add_argument("--lora", action=_LoraFiles, dest="lora", default=[], metavar="FNAME",
+    g.add_argument("--lora", action=LoraFiles, dest="lora", default=[], metavar="FNAME",
                    help="a LoRA adapter (llama.cpp's GGUF adapter file) at scale 1; repeat or comma-separate")
-    g.add_argument("--lora-scaled", action=_LoraFiles, dest="lora", metavar="FNAME:SCALE",
+    g.add_argument("--lora-scaled", action=LoraFiles, dest="lora", metavar="FNAME:SCALE",
                    help="a LoRA adapter at a scale of its own; repeat or comma-separate")
     g.add_argument("-cram", "--cache-ram", type=int, default=None, metavar="MiB",
                    help="host memory for prompt caches the KV pool gives up, read back for prompts that start with "

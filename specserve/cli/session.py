@@ -6,7 +6,9 @@ Generation goes through the same Scheduler as the server, turned from this threa
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 from specserve.cli.args import (
@@ -21,6 +23,7 @@ from specserve.engine.runner import Runner, model_file
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Result, Task
+from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.speculative.base import Chain, SpecParams
@@ -34,6 +37,7 @@ class GenerationSession:
     sampling: SamplingParams
     spec: SpecParams
     draft_runner: Runner | None = None
+    adapters: tuple[float, ...] = ()  # a scale per LoRA adapter the runner loaded (Task.adapters)
     scheduler: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -43,19 +47,25 @@ class GenerationSession:
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
              progress: bool = True, weight_format: str = "auto",
-             remote: RemoteOptions | None = None, tensor_parallel: int = 1) -> GenerationSession:
+             remote: RemoteOptions | None = None, tensor_parallel: int = 1,
+             lora: Sequence[tuple[str, float]] = ()) -> GenerationSession:
+        """lora: (adapter file, scale) pairs, as --lora / --lora-scaled give them."""
+        for path, _ in lora:
+            if not Path(path).is_file():
+                raise SpecserveError(f"--lora {path}: no such file")
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
                                                   progress=progress, weight_format=weight_format,
-                                                  tensor_parallel=tensor_parallel)
+                                                  tensor_parallel=tensor_parallel, adapters=[p for p, _ in lora])
+        scales = tuple(scale for _, scale in lora)
         return cls(runner, Tokenizer.from_gguf(model_file(runner)), sampling or SamplingParams(),
-                   (spec or SpecParams()).validate(), draft_runner)
+                   (spec or SpecParams()).validate(), draft_runner, scales if any(scales) else ())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GenerationSession:
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
                         draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
                         weight_format=args.weight_format, remote=remote_from_args(args),
-                        tensor_parallel=tensor_parallel_from_args(args))
+                        tensor_parallel=tensor_parallel_from_args(args), lora=getattr(args, "lora", ()))
 
     def prompt_tokens(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -70,7 +80,8 @@ class GenerationSession:
             spec: SpecParams | None = None, sampling: SamplingParams | None = None) -> Result:
         """Generate, streaming text to `out` when given; the Result (timings, draft counts)."""
         tokens = prompt if isinstance(prompt, list) else self.prompt_tokens(prompt, chat)
-        task = Task(prompt=tokens, sampling=sampling or self.sampling, spec=spec or self.spec, n_predict=n_predict)
+        task = Task(prompt=tokens, sampling=sampling or self.sampling, spec=spec or self.spec, n_predict=n_predict,
+                    adapters=self.adapters)
         for event in run_task(self.scheduler, task):
             if isinstance(event, Chunk):
                 if out is not None and event.text:
