@@ -109,3 +109,12 @@ class ServerProcess:
                 return time.monotonic() - t0
             time.sleep(0.02)
         raise TimeoutError(f"slots still busy after {timeout}s: {self.get('/slots').json()}")
+
+
+def served(*args: str, **kw: Any) -> Iterator[ServerProcess]:
+    """A module fixture's body: the server started and ready, stopped after the module."""
+    srv = ServerProcess(*args, **kw)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()

@@ -143,23 +143,19 @@ def test_bad_adapter_files(smollm_path: Path, plain: LocalRunner, tmp_path: Path
 
     with pytest.raises(SpecserveError, match="not a LoRA adapter"):
         read_adapter(smollm_path)
-    bad = tmp_path / "embd.gguf"
-    write_adapter(bad, smollm_path, matrices=(), output=False,
-                  extra={"token_embd.weight.lora_a": np.zeros((2, 576), np.float32),
-                         "token_embd.weight.lora_b": np.zeros((49152, 2), np.float32)})
-    with pytest.raises(SpecserveError, match="attention and dense feed-forward matrices"):
-        attach(bad)
-    lonely = tmp_path / "lonely.gguf"
-    write_adapter(lonely, smollm_path, matrices=(), output=False,
-                  extra={"blk.0.attn_q.weight.lora_a": np.zeros((2, 576), np.float32)})
-    with pytest.raises(SpecserveError, match="has no lora_b"):
-        read_adapter(lonely)
-    wrong = tmp_path / "wrong.gguf"
-    write_adapter(wrong, smollm_path, matrices=(), output=False,
-                  extra={"blk.0.attn_q.weight.lora_a": np.zeros((2, 100), np.float32),
-                         "blk.0.attn_q.weight.lora_b": np.zeros((576, 2), np.float32)})
-    with pytest.raises(SpecserveError, match="does not fit"):
-        attach(wrong)
+    zeros = np.zeros
+    cases = [  # (file's extra tensors, how it fails, the error)
+        ({"token_embd.weight.lora_a": zeros((2, 576), np.float32), "token_embd.weight.lora_b": zeros((49152, 2),
+          np.float32)}, attach, "attention and dense feed-forward matrices"),
+        ({"blk.0.attn_q.weight.lora_a": zeros((2, 576), np.float32)}, read_adapter, "has no lora_b"),
+        ({"blk.0.attn_q.weight.lora_a": zeros((2, 100), np.float32), "blk.0.attn_q.weight.lora_b": zeros((576, 2),
+          np.float32)}, attach, "does not fit"),
+    ]
+    for i, (extra, use, message) in enumerate(cases):
+        path = tmp_path / f"bad{i}.gguf"
+        write_adapter(path, smollm_path, matrices=(), output=False, extra=extra)
+        with pytest.raises(SpecserveError, match=message):
+            use(path)
     assert plain.model.adapter_scales is None  # (a refused file attaches nothing)
     with pytest.raises(NotSupported, match="no LoRA adapters"):
         plain.set_adapter_scales(0, (1.0,))

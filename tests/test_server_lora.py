@@ -14,7 +14,7 @@ from specserve.engine.local_runner import LocalRunner
 from specserve.model.batch import Batch
 from tests.helpers import prefill
 from tests.lora_files import write_adapter
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, served
 from tests.test_lora import ALPHA, RANK
 
 PROMPT = [1, 504, 2014, 314, 253, 1127, 28, 29, 30, 1380, 314]
@@ -33,12 +33,8 @@ def files(smollm_path: Path, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(files) -> Iterator[ServerProcess]:
     one, two = files
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "--weight-format", "float", "-np", "2",
-                        "-c", "2048", "--lora-scaled", f"{one}:0.5", "--lora", str(two))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    yield from served("-m", "smollm2-135m", "--device", "cpu", "--weight-format", "float", "-np", "2", "-c", "2048",
+                      "--lora-scaled", f"{one}:0.5", "--lora", str(two))
 
 
 def _greedy(runner: LocalRunner, prompt: list[int], n: int) -> list[int]:

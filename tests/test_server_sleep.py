@@ -11,19 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, served
 
 IDLE = 1.5
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("-m", "smollm2-135m", "--device", "cpu", "-np", "2", "--metrics", "--slots",
-                        "--sleep-idle-seconds", str(IDLE))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    yield from served("-m", "smollm2-135m", "--device", "cpu", "-np", "2", "--metrics", "--slots",
+                      "--sleep-idle-seconds", str(IDLE))
 
 
 def _children(pid: int) -> set[int]:
