@@ -121,6 +121,7 @@ class LocalRunner:
         self.gguf: GGUFFile | None = gguf
         if adapters:
             self.adapters = attach_adapters(self.model, config, [read_adapter(p) for p in adapters], n_seqs)
+            self.adapters.always = self.graphs is not None  # (the graphs capture the adapters' products)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1, n_ctx: int | None = None,

@@ -2,9 +2,9 @@
 
 A matrix W of the model may carry `LowRank`: the A and B matrices of every loaded adapter for it, stacked, so
 one step's product with all adapters is two small matrix products whatever the count: y = x W^T plus
-((x A^T) * s) B^T, where s [rows, R] spreads each row's scale per adapter (`ResidualStream.adapter_scales`) over
-that adapter's rank columns, times its alpha / rank. A row whose scales are all 0 gets exactly W's product
-plus zero. Fused matrices ([q | k | v], [gate | up]) take each part's adapter in its block of B.
+((x A^T) * s) B^T, where s [rows, R] is each row's scale for the adapter that owns each rank column
+(`ResidualStream.adapter_scales`), and B carries each adapter's alpha / rank. A row whose scales are all 0 gets
+exactly W's product plus zero. Fused matrices ([q | k | v], [gate | up]) take each part's adapter in its block of B.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class LowRank:
     a: torch.Tensor  # [R, in]: every adapter's A rows (R: their ranks summed over adapters and parts)
-    b: torch.Tensor  # [out, R]: every adapter's B columns, each part's in its own rows
-    spread: torch.Tensor  # [n_adapters, R]: adapter i's alpha / rank on its columns, 0 elsewhere
+    b: torch.Tensor  # [out, R]: every adapter's B columns times its alpha / rank, each part's in its own rows
+    owner: torch.Tensor  # [R]: the adapter each rank column belongs to
 
     def delta(self, x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """The adapters' addition to x @ W^T for rows x [rows, in], scales [rows, n_adapters]; in x's dtype."""
-        h = F.linear(x.to(self.a.dtype), self.a) * (scales.to(self.a.dtype) @ self.spread)
-        return F.linear(h, self.b).to(x.dtype)
+        """The adapters' addition to x @ W^T for rows x [rows, in], scales [rows, n_adapters] (in x's dtype)."""
+        return F.linear(F.linear(x, self.a) * scales[:, self.owner], self.b)
 
 
 def with_low_rank(y: torch.Tensor, x: torch.Tensor, low_rank: LowRank | None,

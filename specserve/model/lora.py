@@ -102,20 +102,20 @@ def _place(base: str) -> tuple[str, int] | None:
 
 
 def _low_rank(product: _Product, pieces: list[tuple[int, int, float, torch.Tensor, torch.Tensor]],
-              n_adapters: int, dtype: torch.dtype, device: torch.device) -> LowRank:
+              dtype: torch.dtype, device: torch.device) -> LowRank:
     """pieces: (adapter, part, factor, A, B) for one product -> its stacked LowRank."""
     rank = sum(a.shape[0] for _, _, _, a, _ in pieces)
     offsets = [sum(product.parts[:p]) for p in range(len(product.parts))]
     b_all = torch.zeros(sum(product.parts), rank)
-    spread = torch.zeros(n_adapters, rank)
+    owner = torch.zeros(rank, dtype=torch.long)
     col = 0
     for adapter, part, factor, a, b in pieces:
         r = a.shape[0]
-        b_all[offsets[part]:offsets[part] + b.shape[0], col:col + r] = b
-        spread[adapter, col:col + r] = factor
+        b_all[offsets[part]:offsets[part] + b.shape[0], col:col + r] = factor * b
+        owner[col:col + r] = adapter
         col += r
     a_all = torch.cat([a for _, _, _, a, _ in pieces])
-    return LowRank(a_all.to(device, dtype), b_all.to(device, dtype), spread.to(device, dtype))
+    return LowRank(a_all.to(device, dtype), b_all.to(device, dtype), owner.to(device))
 
 
 def attach_adapters(model: Transformer, config: ModelConfig, adapters: list[Adapter], n_seqs: int) -> AdapterScales:
@@ -140,24 +140,34 @@ def attach_adapters(model: Transformer, config: ModelConfig, adapters: list[Adap
     weights = model.weights
     for key, pieces in gathered.items():
         product = products[key]
-        setattr(product.op, product.field, _low_rank(product, pieces, len(adapters), weights.embed.dtype,
-                                                     weights.embed.device))
-    scales = AdapterScales([a.path for a in adapters], n_seqs, weights.embed.device)
-    model.use_adapters(scales.table)
+        setattr(product.op, product.field, _low_rank(product, pieces, weights.embed.dtype, weights.embed.device))
+    scales = AdapterScales([a.path for a in adapters], n_seqs, weights.embed.device, weights.embed.dtype)
+    model.use_adapters(scales)
     return scales
 
 
 class AdapterScales:
     """Each sequence's scale per adapter (a row per sequence, and one more for a CUDA graph's padding rows,
-    which stays 0); a step reads its rows' scales by sequence id."""
+    which stays 0); a step reads its rows' scales by sequence id. While no sequence has a scale (`in_use`
+    false) steps skip the adapters' products, unless `always` (captured graphs must hold them)."""
 
-    def __init__(self, paths: list[Path], n_seqs: int, device: torch.device):
+    def __init__(self, paths: list[Path], n_seqs: int, device: torch.device, dtype: torch.dtype):
         self.paths = paths
-        self.table = torch.zeros(n_seqs + 1, len(paths), device=device)
+        self.table = torch.zeros(n_seqs + 1, len(paths), device=device, dtype=dtype)
+        self._using: set[int] = set()
+        self.always = False
+
+    @property
+    def in_use(self) -> bool:
+        return self.always or bool(self._using)
 
     def set(self, seq: int, scales: tuple[float, ...]) -> None:
         """scales: one per adapter, or () for none. A copy in stream order: a step queued before it keeps the
         sequence's former scales."""
         if scales and len(scales) != len(self.paths):
             raise SpecserveError(f"{len(scales)} adapter scales for {len(self.paths)} adapters")
-        self.table[seq] = torch.tensor(scales or [0.0] * len(self.paths))
+        self.table[seq] = torch.tensor(scales or [0.0] * len(self.paths), dtype=self.table.dtype)
+        if any(scales):
+            self._using.add(seq)
+        else:
+            self._using.discard(seq)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from specserve.kernels.step_ops import ResidualStream, StepFusion
@@ -10,6 +12,15 @@ from specserve.model.config import ModelConfig
 from specserve.model.kv_cache import KVStep
 from specserve.model.registry import family
 from specserve.model.weights import ModelWeights
+
+
+class AdapterRows(Protocol):
+    """Each sequence's LoRA scales (model/lora.py's AdapterScales): [sequences + 1, adapters]."""
+
+    table: torch.Tensor
+
+    @property
+    def in_use(self) -> bool: ...
 
 
 class Transformer:
@@ -23,11 +34,11 @@ class Transformer:
         self.layers = [decoder_layer(config, i, lw, rope) for i, lw in enumerate(weights.layers)]
         self.head = OutputHead(config, weights)
         self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
-        self.adapter_scales: torch.Tensor | None = None  # [sequences + 1, adapters] (model/lora.py)
+        self.adapter_scales: AdapterRows | None = None  # (model/lora.py)
 
-    def use_adapters(self, scales: torch.Tensor) -> None:
-        """Steps read each row's adapter scales from `scales` by sequence id; the products that have adapters no
-        longer fuse, so the step fusion is decided again."""
+    def use_adapters(self, scales: AdapterRows) -> None:
+        """Steps read each row's adapter scales from `scales.table` by sequence id (while `in_use`); the products
+        that have adapters no longer fuse, so the step fusion is decided again."""
         self.adapter_scales = scales
         self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
 
@@ -35,8 +46,8 @@ class Transformer:
                 logit_rows: torch.Tensor | None, runs: Runs, kv: KVStep) -> ResidualStream:
         kv.note_rows(positions, seq_ids)
         stream = self.input_stream(tokens)
-        if self.adapter_scales is not None:
-            stream.adapter_scales = self.adapter_scales[seq_ids]
+        if self.adapter_scales is not None and self.adapter_scales.in_use:
+            stream.adapter_scales = self.adapter_scales.table[seq_ids]
         for layer in self.layers:
             layer(stream, positions, seq_ids, runs, kv)
         stream.keep_rows(logit_rows)
