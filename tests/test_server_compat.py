@@ -213,18 +213,22 @@ def test_verbose_answers_carry_the_native_body() -> None:
 def test_context_shift_keeps_generating() -> None:
     """With --context-shift a generation that fills its context drops the older half of its tokens after
     n_keep, reads the rest again and goes on; without it the same request ends at the context, truncated."""
-    body = {"prompt": "Once upon a time", "n_predict": 3 * app_engine.CTX // 2, "ignore_eos": True,
-            "temperature": 0, "n_keep": -1}
-    settings = dataclasses.replace(app_engine.SETTINGS, context_shift=True)
-    engine = Engine.load(settings, progress=False)  # (the shared engine does not shift)
-    try:
-        shifting = TestClient(create_app(settings, engine=engine))
-        answer = shifting.post("/completion", json=body).json()
-        assert answer["tokens_predicted"] == body["n_predict"] and answer["stop_type"] == "limit"
-        assert not answer["truncated"] and answer["generation_settings"]["n_keep"] == -1
-        assert metrics(shifting)["llamacpp:context_shifts_total"] >= 1
-    finally:
-        engine.shutdown()
-    plain = app_engine.client().post("/completion", json=body).json()
+    ctx = 128  # (a small context: few tokens to fill it)
+    body = {"prompt": "Once upon a time", "n_predict": 3 * ctx // 2, "ignore_eos": True, "temperature": 0,
+            "n_keep": -1}
+    answers = []
+    for shift in (True, False):
+        settings = dataclasses.replace(app_engine.SETTINGS, context_shift=shift, ctx_size=ctx)
+        engine = Engine.load(settings, progress=False)
+        try:
+            client = TestClient(create_app(settings, engine=engine))
+            answers.append(client.post("/completion", json=body).json())
+            if shift:
+                assert metrics(client)["llamacpp:context_shifts_total"] >= 1
+        finally:
+            engine.shutdown()
+    answer, plain = answers
+    assert answer["tokens_predicted"] == body["n_predict"] and answer["stop_type"] == "limit"
+    assert not answer["truncated"] and answer["generation_settings"]["n_keep"] == -1
     assert plain["truncated"] and plain["tokens_predicted"] < body["n_predict"]
     assert answer["content"].startswith(plain["content"][:64])  # the same text until the first shift
