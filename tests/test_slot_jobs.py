@@ -17,7 +17,7 @@ from specserve.engine.local_runner import LocalRunner
 from specserve.engine.logit_bias import LogitBias
 from specserve.engine.sampling import Sampler, SamplingParams, choice_seed
 from specserve.engine.scheduler import Scheduler
-from specserve.engine.slot_results import SlotResults
+from specserve.engine.slot_results import Settler
 from specserve.engine.slots import Slot
 from specserve.engine.tasks import Chunk, Result, Task, TaskHandle
 from specserve.errors import SpecserveError
@@ -68,8 +68,8 @@ def test_a_forbidden_draft_token_is_rejected() -> None:
     task = Task([1], GREEDY, SpecParams(), logit_bias=LogitBias({5: -math.inf}))
     slot.handle = TaskHandle(task, lambda e: None, lambda: None)
     assert not slot.greedy_only  # no on-device argmax shortcut for a biased task
-    assert SlotResults._choose(slot, None, rows, [5, 5]) == [7]
-    assert SlotResults._choose(slot, None, rows, [7, 7]) == [7, 7, 7]  # allowed drafts still pass
+    assert Settler._choose(slot, None, rows, [5, 5]) == [7]
+    assert Settler._choose(slot, None, rows, [7, 7]) == [7, 7, 7]  # allowed drafts still pass
     assert LogitBias({5: -math.inf}).to_json() == [{"token": 5, "bias": False}]
 
 

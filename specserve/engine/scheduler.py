@@ -31,7 +31,7 @@ from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
 from specserve.engine.slot_jobs import JobQueue, JobWork
-from specserve.engine.slot_results import SlotResults
+from specserve.engine.slot_results import Settler
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
 from specserve.engine.step_trace import TRACE
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Scheduler(SlotResults):
+class Scheduler:
     """Serves up to n_slots tasks at once over one Runner."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
@@ -78,10 +78,10 @@ class Scheduler(SlotResults):
         self.jobs = JobQueue(runner, self.slots, self._cond, self.memory, lambda: self._stopping)  # (slot_jobs.py)
         self._stopping = False
         self._in_flight: InFlight | None = None
-        self._outbox: list[tuple[TaskHandle, Event]] | None = None  # events held while the next step launches
+        self.settler = Settler(runner, tokenizer, self.slots, self.counters, self._cond)  # (slot_results.py)
         self.drafting = DraftPolicy(runner, self.n_ctx, chain_factory, DraftGate() if overlap and adaptive_drafts
-                                    else None, chain_drafts, self._fail)
-        self._halve_room = runner.device.type == "cuda"
+                                    else None, chain_drafts, self.settler.fail)
+        self.settler.drafting = self.drafting
         self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
         # Called on the loop's thread after each turn and after the drain (the engine core's process sends the
@@ -160,7 +160,7 @@ class Scheduler(SlotResults):
         """One turn: drop cancelled tasks, start queued ones on free slots, launch and settle steps."""
         for slot in self.slots:  # (outside the lock: ending a speculator may write its cache file)
             if slot.handle is not None and slot.handle.cancelled:
-                self._finish(slot, "cancelled")
+                self.settler.finish(slot, "cancelled")
         if self._in_flight is None and self.jobs.pending:  # before queued tasks take the idle slots
             self.jobs.run()
         with self._cond:
@@ -176,7 +176,7 @@ class Scheduler(SlotResults):
             message = str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}"
             for slot in self.slots:
                 if slot.handle is not None:
-                    self._fail(slot, message)
+                    self.settler.fail(slot, message)
 
     def _turn(self) -> None:
         generating = sum(s.state == SlotState.GENERATING for s in self.slots)
@@ -205,13 +205,13 @@ class Scheduler(SlotResults):
                     self.drafting.failed(slot, exc)
         # An unchained step (a draft to verify) leaves the device idle until the next is planned: plan and
         # launch it before handing out this step's events, whose readers would hold the GIL meanwhile.
-        self._outbox = []
+        self.settler.outbox = []
         try:
-            self._settle(current, live)
+            self.settler.settle(current, live)
             if self._in_flight is None and self.overlap and not (self.jobs.pending and self.jobs.ready()):
                 self._in_flight = self._launch(self._plan(None))
         finally:
-            outbox, self._outbox = self._outbox, None
+            outbox, self.settler.outbox = self.settler.outbox, None
             for handle, event in outbox:
                 handle.emit(event)
             if TRACE is not None:
@@ -246,7 +246,7 @@ class Scheduler(SlotResults):
         with self._cond:
             for slot in self.slots:
                 if slot.handle is not None:
-                    self._fail(slot, message)
+                    self.settler.fail(slot, message)
             while self._queue:
                 self._queue.popleft().emit(Failure(message))
             self.jobs.fail_all(message)
@@ -290,7 +290,7 @@ class Scheduler(SlotResults):
             slot.spec_base = {m.name: (m.stats.gen_tokens, m.stats.acc_tokens) for m in members}
         except Exception as exc:
             log.exception("could not start task %d", task.id)
-            self._fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
+            self.settler.fail(slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
 
     # -- planning --------------------------------------------------------------------------------------
 
@@ -395,7 +395,8 @@ class Scheduler(SlotResults):
                 if e.slot.handle is not None:
                     self.runner.kv_truncate(e.slot.id, 0)
                     e.slot.cache = []
-                    self._fail(e.slot, str(exc) if isinstance(exc, SpecserveError) else f"forward pass failed: {exc}")
+                    why = str(exc) if isinstance(exc, SpecserveError) else f"forward pass failed: {exc}"
+                    self.settler.fail(e.slot, why)
             return None
         with self._cond:
             self.counters.n_decode += 1

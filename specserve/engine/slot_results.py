@@ -24,27 +24,36 @@ from specserve.gguf.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class SlotResults:
-    """What Scheduler does with a settled step (it provides these attributes)."""
+class Settler:
+    """Settles the scheduler's steps and ends its tasks. It shares the scheduler's runner, slots, counters and lock;
+    `drafting` is set by the scheduler (the policy's failures end tasks here). `outbox`: while not None, events
+    wait in it (the scheduler launches the next step first, then hands them out)."""
 
-    runner: Runner
-    tokenizer: Tokenizer
-    n_ctx: int
-    slots: list[Slot]
-    counters: SchedulerCounters
-    _cond: threading.Condition
-    drafting: DraftPolicy
-    _outbox: list[tuple[TaskHandle, Event]] | None
-    _halve_room: bool  # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, slots: list[Slot], counters: SchedulerCounters,
+                 lock: threading.Condition):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.n_ctx = runner.n_ctx
+        self.slots = slots
+        self.counters = counters
+        self._cond = lock
+        self.drafting: DraftPolicy | None = None
+        self.outbox: list[tuple[TaskHandle, Event]] | None = None
+        # a miss halves a slot's draft room (cheap verify rows), else cuts it (draft_gate.next_room)
+        self._halve_room = runner.device.type == "cuda"
+
+    def _drafting(self) -> DraftPolicy:
+        assert self.drafting is not None, "the scheduler sets the drafting policy"
+        return self.drafting
 
     def _post(self, handle: TaskHandle, event: Event) -> None:
         """Hand an event to its task, or hold it in the outbox while the scheduler launches a step."""
-        if self._outbox is not None:
-            self._outbox.append((handle, event))
+        if self.outbox is not None:
+            self.outbox.append((handle, event))
         else:
             handle.emit(event)
 
-    def _settle(self, flight: InFlight, live: list[Entry]) -> None:
+    def settle(self, flight: InFlight, live: list[Entry]) -> None:
         """Verify and hand out the step's rows (live: its entries that were current when the next step was
         planned; each is checked again, as a failed launch since may have ended its task)."""
         if not live:
@@ -71,7 +80,7 @@ class SlotResults:
                     self._after_decode(e, picked, rows)
             except Exception as exc:
                 log.exception("processing slot %d failed", e.slot.id)
-                self._fail(e.slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
+                self.fail(e.slot, str(exc) if isinstance(exc, SpecserveError) else f"internal error: {exc}")
         with self._cond:
             self.counters.n_tokens_max = max([self.counters.n_tokens_max, *(len(s.cache) for s in self.slots)])
 
@@ -107,7 +116,7 @@ class SlotResults:
             self.counters.prompt_seconds += slot.t_prompt_done - slot.t_start
         slot.state = SlotState.GENERATING
         if task.n_predict == 0:
-            self._finish(slot, "limit")
+            self.finish(slot, "limit")
             return
         slot.last = self._choose(slot, picked, rows, [])[0]
         if slot.use_chain:
@@ -141,7 +150,7 @@ class SlotResults:
             drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
             slot.draft_n += drafted
             slot.draft_accepted += accepted
-            if self.drafting.chained:
+            if self._drafting().chained:
                 slot.draft_surplus = chained_surplus(slot.draft_surplus, len(out), len(out) == e.n_rows)
             if e.draft:
                 slot.draft_room = next_room(slot.draft_room, len(e.draft), verified, slot.task.spec.n_max,
@@ -190,7 +199,7 @@ class SlotResults:
             if 0 <= task.n_predict <= slot.n_decoded:
                 stop_type = "limit"
                 break
-        self.drafting.count(len(emitted))
+        self._drafting().count(len(emitted))
         if not stop_type and task.constraint is not None and task.constraint.done:
             stop_type = "eos"  # the grammar is complete: nothing but end-of-generation could follow
         context_full = not stop_type and len(slot.cache) >= self.n_ctx  # no position left for `last`
@@ -209,7 +218,7 @@ class SlotResults:
             timings = self._result(slot, "", time.perf_counter()).timings() if task.timings_per_token else None
             self._post(slot.handle, Chunk(text, emitted, probs, timings))  # type: ignore[arg-type]
         if stop_type:
-            self._finish(slot, stop_type, context_full)
+            self.finish(slot, stop_type, context_full)
 
     def _shift_context(self, slot: Slot) -> None:
         """The context is full: keep the first n_keep tokens and the newer half of the rest, and read them again
@@ -251,7 +260,7 @@ class SlotResults:
             n_steps=slot.n_steps, draft_sources=self._task_drafts(slot),
         )
 
-    def _finish(self, slot: Slot, stop_type: str, context_full: bool = False) -> None:
+    def finish(self, slot: Slot, stop_type: str, context_full: bool = False) -> None:
         handle = slot.handle
         assert handle is not None and slot.stream is not None
         now = time.perf_counter()
@@ -284,7 +293,7 @@ class SlotResults:
                 out[m.name] = (m.stats.gen_tokens - gen0, m.stats.acc_tokens - acc0)
         return out
 
-    def _fail(self, slot: Slot, message: str) -> None:
+    def fail(self, slot: Slot, message: str) -> None:
         handle = slot.handle
         with self._cond:
             self.counters.requests_failed += 1
@@ -302,7 +311,7 @@ class SlotResults:
         slot.last_used = time.perf_counter()
         self.counters.requests_processing = sum(s.handle is not None for s in self.slots)
         if not self.counters.requests_processing:
-            self.drafting.pause()  # the time until the next task is not a turn's
+            self._drafting().pause()  # the time until the next task is not a turn's
 
     def _end_chain(self, slot: Slot) -> None:
         if slot.chain is None:
