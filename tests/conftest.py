@@ -57,3 +57,11 @@ def load_hf_model(path: Path):
 @pytest.fixture(scope="session")
 def smollm_hf(smollm_path: Path):
     return load_hf_model(smollm_path)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """mypy (tests/test_types.py) starts now, in a process beside the tests, when its test is to run."""
+    if any(item.nodeid.startswith("tests/test_types.py::test_mypy_is_clean") for item in session.items):
+        from tests.test_types import start_mypy
+
+        start_mypy()

@@ -35,9 +35,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, smollm_tokenizer, device) -> None:
-    # A pool of 320 positions: the third prompt makes the pool give up the first's cache.
-    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device=device, progress=False)
-    first, second, third = _text(1), _text(2), _text(3, 140)
+    # A pool of 160 positions: the third prompt makes the pool give up the first's cache.
+    runner = LocalRunner(smollm_path, n_seqs=2, n_ctx=160, kv_size=160, device=device, progress=False)
+    first, second, third = _text(1, 45), _text(2, 45), _text(3, 70)
     again = first + " and then some more words"
     prompts = [first, second, third, again]
     with_host, sched = _run(runner, smollm_tokenizer, prompts, -1)
@@ -46,7 +46,7 @@ def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, sm
     result = with_host[3][1]
     n_first = len(smollm_tokenizer.encode(first))
     assert result.n_cached >= n_first - 1 and c.prompt_tokens_host >= n_first - 16
-    fresh = LocalRunner(smollm_path, n_seqs=2, n_ctx=320, kv_size=320, device=device, progress=False)
+    fresh = LocalRunner(smollm_path, n_seqs=2, n_ctx=160, kv_size=160, device=device, progress=False)
     without, plain = _run(fresh, smollm_tokenizer, prompts, 0)
     assert plain.counters_snapshot().prompt_tokens_host == 0 and without[3][1].n_cached < n_first / 2
     assert [text for text, _ in with_host] == [text for text, _ in without]
