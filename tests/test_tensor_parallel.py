@@ -308,8 +308,14 @@ def test_ranks_match_one_process_slow(model: str, world: int, request: pytest.Fi
 
 def test_no_follower_left() -> None:
     """(Last: every runner above is closed; no tp_worker child of this process remains.)"""
+    def cmdline(child: psutil.Process) -> str:
+        try:
+            return " ".join(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # (an ended child: no follower)
+            return ""
+
     workers = [c.pid for c in psutil.Process(os.getpid()).children(recursive=True)
-               if "specserve.engine.tp_worker" in " ".join(c.cmdline())]
+               if "specserve.engine.tp_worker" in cmdline(c)]
     assert not [p for p in workers if running(p)]
 
 
