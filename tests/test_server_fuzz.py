@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from specserve.errors import SpecserveError
-from specserve.server import schemas
+from specserve.server import schemas, utility_schemas
 from specserve.server.messages_request import MessagesRequest
 from specserve.server.responses_request import ResponsesRequest
 from tests import app_engine
@@ -88,8 +88,8 @@ VALID: dict[type[BaseModel], dict[str, Any]] = {
     schemas.ChatRequest: {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2,
                   "response_format": {"type": "json_object"}, "stream_options": {"include_usage": True}},
     schemas.ApplyTemplateRequest: {"messages": [{"role": "system", "content": [{"type": "text", "text": "x"}]}]},
-    schemas.TokenizeRequest: {"content": "Hello", "with_pieces": True},
-    schemas.DetokenizeRequest: {"tokens": [1, 2]},
+    utility_schemas.TokenizeRequest: {"content": "Hello", "with_pieces": True},
+    utility_schemas.DetokenizeRequest: {"tokens": [1, 2]},
     ResponsesRequest: {"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "c",
                                                                       "output": "x"}], "max_output_tokens": 3},
     MessagesRequest: {"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],

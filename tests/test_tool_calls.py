@@ -18,13 +18,12 @@ from specserve.server.tool_calls import (
     ContentDelta,
     ToolCall,
     ToolCallStream,
-    call_grammar,
     collect,
     detect_format,
     new_call_id,
     parse,
-    validate_tools,
 )
+from specserve.server.tool_grammar import call_grammar, validate_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "properties": {

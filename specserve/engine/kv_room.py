@@ -25,6 +25,7 @@ from specserve.engine.host_cache import HostCache
 from specserve.engine.runner import Runner
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Plan
+from specserve.engine.tasks import Task
 from specserve.errors import NotSupported
 from specserve.model.kv_blocks import BlockTable
 from specserve.model.kv_ledger import KVCacheFull
@@ -76,6 +77,15 @@ class KVMemory:
         self._cond = lock
         self.n_batch = n_batch
         self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None  # --cache-ram (host_cache.py)
+
+    def pick_slot(self, task: Task) -> Slot:
+        """The idle slot whose cache shares the longest prefix with the prompt, else the least recently used."""
+        idle = [s for s in self.slots if s.handle is None]
+        if task.cache_prompt:
+            best = max(idle, key=lambda s: (reusable(s, task.prompt, task.adapters), -s.last_used))
+            if reusable(best, task.prompt, task.adapters) > 0:
+                return best
+        return min(idle, key=lambda s: s.last_used)
 
     def evict_idle(self, room: KVRoom, need: int) -> None:
         """Give up held prefixes and idle slots' caches, least recently used first, until `need` blocks are free (a

@@ -225,22 +225,11 @@ class Scheduler:
         n_idle = sum(s.handle is None for s in self.slots)
         started = [self._queue.popleft() for _ in range(min(n_idle, len(self._queue)))]
         for handle in started:  # reserve the slots now so /slots and the counters are right at once
-            slot = self._pick_slot(handle)
+            slot = self.memory.pick_slot(handle.task)
             slot.handle, slot.state = handle, SlotState.PROMPT
         self.counters.requests_deferred = len(self._queue)
         self.counters.requests_processing = sum(s.handle is not None for s in self.slots)
         return started
-
-    def _pick_slot(self, handle: TaskHandle) -> Slot:
-        """The idle slot whose cache shares the longest prefix with the prompt, else the least recently used."""
-        idle = [s for s in self.slots if s.handle is None]
-        prompt = handle.task.prompt
-        if handle.task.cache_prompt:
-            adapters = handle.task.adapters
-            best = max(idle, key=lambda s: (reusable(s, prompt, adapters), -s.last_used))
-            if reusable(best, prompt, adapters) > 0:
-                return best
-        return min(idle, key=lambda s: s.last_used)
 
     def _drain(self, message: str) -> None:
         with self._cond:

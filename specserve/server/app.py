@@ -37,6 +37,7 @@ from specserve.server.builders import (
     build_messages,
     build_responses,
     build_v1_completion,
+    built,
     count_chat_tokens,
     count_message_tokens,
     count_response_tokens,
@@ -56,19 +57,21 @@ from specserve.server.schemas import (
     ApplyTemplateRequest,
     ChatRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
     InfillRequest,
-    LoraScales,
     OpenAICompletionRequest,
-    SlotFileRequest,
-    TokenizeRequest,
     parse_body,
 )
 from specserve.server.sleeping_core import SleepingCore
 from specserve.server.slot_files import slot_action
-from specserve.server.streaming import Job, respond
+from specserve.server.streaming import respond
 from specserve.server.tokenizing import json_list
+from specserve.server.utility_schemas import (
+    DetokenizeRequest,
+    EmbeddingRequest,
+    LoraScales,
+    SlotFileRequest,
+    TokenizeRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +125,6 @@ class GateMiddleware(HttpMiddleware):
             given = auth[7:].strip()
         matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.state.api_keys]  # (each compared)
         return f"key{matches.index(True)}" if given and any(matches) else None
-
-
-def _built(build: Builder, engine: Engine, body: bytes) -> Job:
-    """A request's job, the core woken for it (--sleep-idle-seconds) while still off the event loop."""
-    job = build(engine, body)
-    engine.core.wake()
-    return job
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:
@@ -250,7 +246,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             body = await request.body()
             engine = eng()
-            job = await run_in_threadpool(_built, build, engine, body)
+            job = await run_in_threadpool(built, build, engine, body)
             engine.scope_tasks(job.tasks, getattr(request.state, "tenant", ""))
             job.verbose = state.settings.verbose
             state.admission.widen(ticket, len(job.tasks))  # a batch or n choices: every task counts

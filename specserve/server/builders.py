@@ -143,3 +143,10 @@ def count_response_tokens(store: ResponseStore, engine: Engine, body: bytes) -> 
 def _prompt_tokens(engine: Engine, chat: ChatRequest) -> int:
     prompt, _ = engine.chat_prompt(chat, engine.tool_plan(chat), chat.parse_special)
     return len(prompt)
+
+
+def built(build: Builder, engine: Engine, body: bytes) -> Job:
+    """A request's job, the core woken for it (--sleep-idle-seconds) while still off the event loop."""
+    job = build(engine, body)
+    engine.core.wake()
+    return job

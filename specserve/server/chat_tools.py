@@ -30,9 +30,9 @@ from specserve.server.tool_calls import (
     MISTRAL_ARGS,
     MISTRAL_CALLS,
     PYTHON_TAG,
-    call_grammar,
     detect_format,
 )
+from specserve.server.tool_grammar import call_grammar
 
 # The markers each format's parser reads: when the vocabulary has them as control tokens, the decoder must keep
 # their text (it leaves control tokens out of answers). The first is the one a forced call opens with.

@@ -21,7 +21,8 @@ from specserve.errors import SpecserveError
 from specserve.server.engine import Engine
 from specserve.server.errors import ContextSizeError
 from specserve.server.limits import Admission
-from specserve.server.schemas import EmbeddingRequest, parse_body
+from specserve.server.schemas import parse_body
+from specserve.server.utility_schemas import EmbeddingRequest
 
 
 def normalize(vector: torch.Tensor, p: int) -> torch.Tensor:

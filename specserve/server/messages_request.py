@@ -15,39 +15,35 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.server.chat_bridge import chat_request, chat_tool, named_choice, passthrough, with_system
-from specserve.server.schemas import ChatRequest
+from specserve.server.schemas import ChatRequest, StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -56,12 +52,12 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
                          Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """A client tool; Anthropic's server tools (web search, code execution, ...) are not served."""
 
     type: Literal["custom"] | None = None
@@ -70,7 +66,7 @@ class Tool(_Strict):
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -82,7 +78,7 @@ class ToolChoice(_Strict):
         return self
 
 
-class Thinking(_Strict):
+class Thinking(StrictModel):
     """enabled: the chat template renders with thinking on; disabled: off; adaptive (and between_tools): as the
     template does by default. budget_tokens and display are accepted and have no effect."""
 
@@ -90,12 +86,12 @@ class Thinking(_Strict):
     budget_tokens: int | None = None
 
 
-class OutputFormat(_Strict):
+class OutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     """`format` constrains the answer to its JSON schema; `effort` is accepted and has no effect."""
 
     effort: str | None = None

@@ -15,47 +15,43 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from specserve.errors import SpecserveError
 from specserve.server.chat_bridge import chat_request, chat_tool, named_choice, passthrough, with_system
-from specserve.server.schemas import ChatRequest
+from specserve.server.schemas import ChatRequest, StrictModel
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """A message's text: input_text from the client, output_text of an earlier answer."""
 
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
 
 
-class ReasoningPart(_Strict):
+class ReasoningPart(StrictModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     content: list[ReasoningPart] | None = None
     summary: list[ReasoningPart] = Field(default_factory=list)
@@ -73,7 +69,7 @@ InputItem = Annotated[
     Discriminator(_item_kind)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """A Responses function tool (flat: name and parameters beside the type); `strict` is accepted, and every
     forced call follows its schema anyway."""
 
@@ -84,12 +80,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -97,7 +93,7 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
 from specserve.server.prompts import LogitBiasInput, PromptInput, PromptPart
-from specserve.server.tool_calls import validate_tools
+from specserve.server.tool_grammar import validate_tools
 
 SPEC_FIELDS = {  # request key -> SpecParams field
     "speculative.type": "type",
@@ -33,7 +33,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "
 MAX_N_PROBS = 20
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -41,7 +41,7 @@ def _finite(**kw: Any) -> Any:
     return Field(None, allow_inf_nan=False, **kw)
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """OpenAI's response_format.json_schema; only `schema` constrains (name, description, strict are
     accepted and otherwise unused: every schema is enforced)."""
 
@@ -51,12 +51,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class PredictionPart(_Strict):
+class PredictionPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class Prediction(_Strict):
+class Prediction(StrictModel):
     """OpenAI's predicted output: text the answer is expected to repeat (the file being edited), a draft source."""
 
     type: Literal["content"]
@@ -66,7 +66,7 @@ class Prediction(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's response_format; `schema` beside type json_object is llama-server's extension."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -84,18 +84,14 @@ class ResponseFormat(_Strict):
         return GrammarSource.json_schema(schema if schema is not None else {})
 
 
-class LoraScale(_Strict):
+class LoraScale(StrictModel):
     """One LoRA adapter's scale (llama-server's `lora` entries and POST /lora-adapters)."""
 
     id: int = Field(ge=0)
     scale: float = Field(allow_inf_nan=False)
 
 
-class LoraScales(RootModel[list[LoraScale]]):
-    """POST /lora-adapters: [{id, scale}, ...]."""
-
-
-class GenerationFields(_Strict):
+class GenerationFields(StrictModel):
     """Sampling, stop and speculative options shared by all generation endpoints; None = server default."""
 
     temperature: float | None = _finite()
@@ -208,7 +204,7 @@ class CompletionRequest(GenerationFields):
     response_fields: list[str] | None = None  # only these fields of each result ("a/b": b inside a)
 
 
-class ExtraChunk(_Strict):
+class ExtraChunk(StrictModel):
     """One file of /infill's input_extra: context put before the prefix."""
 
     text: str
@@ -224,7 +220,7 @@ class InfillRequest(CompletionRequest):
     input_extra: list[ExtraChunk] = Field(default_factory=list)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -246,7 +242,7 @@ class OpenAICompletionRequest(OpenAICommon):
     suffix: None = None  # fill-in-the-middle is not supported
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
@@ -265,18 +261,18 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """OpenAI's tool_choice that forces one function: {"type": "function", "function": {"name": ...}}."""
 
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
-class ChatTemplateFields(_Strict):
+class ChatTemplateFields(StrictModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     # OpenAI's: None means "auto" when there are tools, else "none" (server/chat_tools.py says what each does)
@@ -358,43 +354,6 @@ class ChatRequest(OpenAICommon, ChatTemplateFields):
 
 class ApplyTemplateRequest(ChatTemplateFields):
     """POST /apply-template."""
-
-
-class EmbeddingRequest(_Strict):
-    """POST /embedding (llama-server: `content` or `input`) and /v1/embeddings (OpenAI: `input`)."""
-
-    input: PromptInput | None = None
-    content: PromptInput | None = None
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    # llama-server's: -1 none, 0 max absolute (int16 range), 1 taxicab, 2 euclidean (the default), p > 2 p-norm
-    embd_normalize: int = Field(2, ge=-1, le=100)
-
-    @model_validator(mode="after")
-    def _has_input(self) -> EmbeddingRequest:
-        if self.input is None and self.content is None:
-            raise ValueError('"input" or "content" must be provided')
-        return self
-
-    def texts(self) -> PromptInput:
-        return self.input if self.input is not None else self.content  # type: ignore[return-value]
-
-
-class SlotFileRequest(_Strict):
-    """POST /slots/{id}?action=save|restore: a file name in --slot-save-path (no directories)."""
-
-    filename: str = Field(min_length=1, max_length=255)
-
-
-class TokenizeRequest(_Strict):
-    content: str
-    add_special: bool = False
-    parse_special: bool = True
-    with_pieces: bool = False
-
-
-class DetokenizeRequest(_Strict):
-    tokens: list[int]
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -16,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from specserve.engine import slot_state
 from specserve.errors import NotSupported, SpecserveError
 from specserve.server.engine import Engine
-from specserve.server.schemas import SlotFileRequest, parse_body
+from specserve.server.schemas import parse_body
+from specserve.server.utility_schemas import SlotFileRequest
 
 _RESERVED = set('/\\:*?"<>|')
 
