@@ -118,7 +118,7 @@ def test_lora_flag_errors(tmp_path: Path, capsys) -> None:
     from specserve.cli import main
 
     assert main(["serve", "-m", "smollm2-135m", "--lora", str(tmp_path / "missing.gguf")]) == 1
-    assert "no such file" in capsys.readouterr().err
+    assert "LoRA adapter file not found" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["serve", "-m", "smollm2-135m", "--lora-scaled", "x.gguf"])
     assert exc.value.code == 2 and "is not FNAME:SCALE" in capsys.readouterr().err

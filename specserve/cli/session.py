@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TextIO
 
 from specserve.cli.args import (
@@ -23,9 +22,9 @@ from specserve.engine.runner import Runner, model_file
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Result, Task
-from specserve.errors import SpecserveError
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.lora import check_adapter_files
 from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.factory import build_chain
 
@@ -50,9 +49,7 @@ class GenerationSession:
              remote: RemoteOptions | None = None, tensor_parallel: int = 1,
              lora: Sequence[tuple[str, float]] = ()) -> GenerationSession:
         """lora: (adapter file, scale) pairs, as --lora / --lora-scaled give them."""
-        for path, _ in lora:
-            if not Path(path).is_file():
-                raise SpecserveError(f"--lora {path}: no such file")
+        check_adapter_files(path for path, _ in lora)
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
                                                   progress=progress, weight_format=weight_format,
                                                   tensor_parallel=tensor_parallel, adapters=[p for p, _ in lora])

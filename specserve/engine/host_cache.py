@@ -44,7 +44,8 @@ class HostCache:
         (an entry has all of its tokens) or larger than the limit."""
         if len(tokens) < MIN_TOKENS:
             return False
-        for key, entry in list(self._entries.items()):
+        extended = []
+        for key, entry in self._entries.items():
             if entry.adapters != adapters:
                 continue
             n = common_prefix(entry.tokens, tokens)
@@ -52,11 +53,13 @@ class HostCache:
                 self._entries.move_to_end(key)
                 return False
             if n == len(entry.tokens):  # these tokens extend it: the new entry replaces it
-                self._drop(key)
+                extended.append(key)
         kv = read()
         size = kv.numel() * kv.element_size()
         if 0 <= self.limit < size:
             return False
+        for key in extended:
+            self._drop(key)
         while self._entries and 0 <= self.limit < self.bytes + size:
             self._drop(next(iter(self._entries)))
         self._entries[next(self._ids)] = HostEntry(list(tokens), adapters, kv)

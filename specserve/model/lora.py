@@ -10,6 +10,7 @@ of the runner has its own scales (`AdapterScales`), so one step serves rows with
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,16 @@ class Adapter:
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # base tensor name -> (A [r, in], B [out, r]), fp32
 
 
+def check_adapter_files(paths: Iterable[str | Path]) -> None:
+    """SpecserveError for an adapter file that is not there (before anything loads)."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise SpecserveError(f"LoRA adapter file not found: {path}")
+
+
 def read_adapter(path: str | Path) -> Adapter:
     """One adapter file's pairs; SpecserveError for a file that is not a LoRA adapter or has a broken pair."""
+    check_adapter_files([path])
     f = GGUFFile(path)
     meta = f.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":

@@ -7,7 +7,6 @@ app turns into a 400.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import replace
@@ -72,26 +71,20 @@ class Engine:
     def local(cls, settings: ServerSettings, model_path: Path, runner: Runner, draft_runner: Runner | None,
               tokenizer: Tokenizer) -> Engine:
         """An engine over runners of this process, its scheduler in a thread here (started)."""
-        core = LocalCore(settings, runner, draft_runner, tokenizer)
-        engine = cls(settings, ModelFacts.of(model_path, runner, draft_runner), core, tokenizer)
-        core.start()
-        return engine
+        return cls(settings, ModelFacts.of(model_path, runner, draft_runner),
+                   _local_core(settings, runner, draft_runner, tokenizer), tokenizer)
 
     @classmethod
     def load(cls, settings: ServerSettings, progress: bool = True) -> Engine:
         """The model loaded, in an engine core process of its own (settings.core_process) or in this one."""
         check_settings(settings)
-        if settings.core_process:
-            client = CoreClient(settings)
-            tokenizer = Tokenizer.from_gguf(client.model.file)
-            engine = cls(settings, client.model, client, _with_template(tokenizer, settings))
-        else:
-            runner, draft_runner, path = load_model(settings, progress)
-            tokenizer = _with_template(Tokenizer.from_gguf(model_file(runner)), settings)
-            engine = cls.local(settings, path, runner, draft_runner, tokenizer)
+        core, facts, tokenizer = _load_core(settings, None, progress)
+        engine = cls(settings, facts, core, tokenizer)
         if settings.sleep_idle_seconds > 0:
-            engine.core = SleepingCore(engine.core, functools.partial(_new_core, settings, engine.tokenizer),
-                                       settings.sleep_idle_seconds, settings.n_parallel, engine.n_ctx)
+            def reload() -> EngineCore:
+                return _load_core(settings, tokenizer, False)[0]
+
+            engine.core = SleepingCore(core, reload, settings.sleep_idle_seconds, settings.n_parallel, engine.n_ctx)
         engine.grammars.warm()  # the grammar library's vocabulary holds the GIL while built: now, not mid-stream
         return engine
 
@@ -222,14 +215,24 @@ class Engine:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
 
-def _new_core(settings: ServerSettings, tokenizer: Tokenizer) -> EngineCore:
-    """A core loaded again, as Engine.load made the first (sleeping_core.py)."""
-    if settings.core_process:
-        return CoreClient(settings)
-    runner, draft_runner, _ = load_model(settings, progress=False)
+def _local_core(settings: ServerSettings, runner: Runner, draft_runner: Runner | None,
+                tokenizer: Tokenizer) -> LocalCore:
     core = LocalCore(settings, runner, draft_runner, tokenizer)
     core.start()
     return core
+
+
+def _load_core(settings: ServerSettings, tokenizer: Tokenizer | None,
+               progress: bool) -> tuple[EngineCore, ModelFacts, Tokenizer]:
+    """The model loaded into a core (a process of its own, or this one's thread), what the front knows of it, and
+    its tokenizer (given: one read before, when the core is loaded again after a sleep)."""
+    if settings.core_process:
+        client = CoreClient(settings)
+        tok = tokenizer or _with_template(Tokenizer.from_gguf(client.model.file), settings)
+        return client, client.model, tok
+    runner, draft_runner, path = load_model(settings, progress)
+    tok = tokenizer or _with_template(Tokenizer.from_gguf(model_file(runner)), settings)
+    return _local_core(settings, runner, draft_runner, tok), ModelFacts.of(path, runner, draft_runner), tok
 
 
 def _with_template(tokenizer: Tokenizer, settings: ServerSettings) -> Tokenizer:

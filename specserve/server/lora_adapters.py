@@ -5,7 +5,6 @@ adapters themselves are loaded with the model (model/lora.py)."""
 
 from __future__ import annotations
 
-import math
 import threading
 
 from specserve.errors import SpecserveError
@@ -30,8 +29,6 @@ class LoraAdapters:
             if item.id >= len(scales):
                 loaded = f"ids 0..{len(scales) - 1}" if scales else "none is loaded (--lora)"
                 raise SpecserveError(f"lora: no adapter has id {item.id} ({loaded})")
-            if not math.isfinite(item.scale):
-                raise SpecserveError(f"lora: adapter {item.id}'s scale must be a finite number")
             scales[item.id] = item.scale
         return scales
 

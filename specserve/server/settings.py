@@ -12,6 +12,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.slot_state import POOLINGS
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.model.lora import check_adapter_files
 from specserve.model.registry import read_config
 from specserve.server.reasoning import FORMATS as REASONING_FORMATS
 from specserve.speculative.base import SpecParams
@@ -130,9 +131,7 @@ def check_settings(s: ServerSettings) -> None:
         raise SpecserveError(f"-cram/--cache-ram must be -1 (no limit), 0 (off) or a size in MiB, got {s.cache_ram}")
     if s.sleep_idle_seconds != -1 and not s.sleep_idle_seconds > 0:
         raise SpecserveError(f"--sleep-idle-seconds must be -1 (never) or more than 0, got {s.sleep_idle_seconds}")
-    for path, _ in s.lora:
-        if not Path(path).is_file():
-            raise SpecserveError(f"--lora {path}: no such file")
+    check_adapter_files(path for path, _ in s.lora)
     if s.remote is None:  # (a remote host checks its own device)
         checked_device(s.device)
     s.sampling.validate()

@@ -37,7 +37,6 @@ class SleepingCore:
         self._busy = 0  # tasks and jobs submitted and not ended
         self._last = time.monotonic()
         self._earlier = SchedulerCounters()  # the cores' before this one, summed
-        self.sleeps = 0
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="sleep-idle", daemon=True)
         self._watcher.start()
@@ -129,7 +128,6 @@ class SleepingCore:
                 self._earlier = core.counters().after(self._earlier)
                 self._core = None  # (/slots and /metrics answer as asleep from now on)
                 core.shutdown()
-                self.sleeps += 1
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
