@@ -8,6 +8,8 @@ import os
 from specserve.engine.loading import RemoteOptions
 from specserve.engine.sampling import SamplingParams
 from specserve.errors import SpecserveError
+from specserve.kernels.kv_format import FORMATS as KV_FORMATS
+from specserve.kernels.kv_format import KVTypes
 from specserve.model.weights import WEIGHT_FORMATS
 from specserve.remote.protocol import KEEPALIVE_INTERVAL, STEP_TIMEOUT, parse_address
 from specserve.speculative.base import SELECTABLE_TYPES, SpecParams
@@ -24,6 +26,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="matrices in memory: auto = gguf on a CPU with AVX2 or AVX-512 and a C compiler, else float; "
                         "float = bf16 on CUDA, fp32 on CPU; gguf = the file's own quantization kept, 4/8-bit "
                         "(fewer bytes a token: faster decode, slower verify steps on CUDA); q8 = Q8_0-style 8-bit")
+    p.add_argument("-ctk", "--cache-type-k", default=None, choices=list(KV_FORMATS), metavar="TYPE",
+                   help=f"how keys are stored in the KV cache: {', '.join(KV_FORMATS)} (default: the compute dtype, "
+                        "bf16 on CUDA, fp32 on CPU); q8_0 / q4_0 take about half / a quarter of f16's memory")
+    p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_FORMATS), metavar="TYPE",
+                   help="how values are stored in the KV cache (as -ctk)")
     add_batch_invariant_arg(p)
     p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU a "
@@ -114,3 +121,7 @@ def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:
     if args.remote_timeout < 2 * KEEPALIVE_INTERVAL:  # else a working host's next keep-alive may come too late
         raise SpecserveError(f"--remote-timeout must be at least {2 * KEEPALIVE_INTERVAL:g} s")
     return RemoteOptions(args.remote, args.remote_token, args.remote_timeout)
+
+
+def kv_types_from_args(args: argparse.Namespace) -> KVTypes:
+    return getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from specserve import catalog
-from specserve.cli.args import add_model_args, tensor_parallel_from_args
+from specserve.cli.args import add_model_args, kv_types_from_args, tensor_parallel_from_args
 from specserve.cli.measure import (
     TIMED_STEP_ROWS,
     bench_decode,
@@ -85,7 +85,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         types.remove("draft")
     session = GenerationSession.load(args.model, draft_model=args.model_draft, device=args.device,
                                      n_ctx=max(args.ctx_size or 0, args.n_prompt + 64, 4096),
-                                     weight_format=args.weight_format, tensor_parallel=tensor_parallel_from_args(args))
+                                     weight_format=args.weight_format, kv_types=kv_types_from_args(args),
+                                     tensor_parallel=tensor_parallel_from_args(args))
     runner = session.runner
     for r in (runner, session.draft_runner):
         if r is not None:

@@ -155,6 +155,7 @@ def api_keys(args: argparse.Namespace) -> str | None:
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     """The server's settings from the parsed flags, checked (SpecserveError: one line, nothing loaded)."""
     from specserve.cli.args import (
+        kv_types_from_args,
         remote_from_args,
         sampling_params_from_args,
         spec_params_from_args,
@@ -177,7 +178,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict, verbose=args.verbose,
         spec_shared_tokens=args.spec_shared_tokens, core_process=not args.core_in_process, threads=args.threads,
         device=args.device, alias=args.alias,
-        weight_format=args.weight_format, remote=remote_from_args(args),
+        weight_format=args.weight_format, kv_types=kv_types_from_args(args), remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, responses_store=args.responses_store,
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from specserve.cli.args import (
+    kv_types_from_args,
     remote_from_args,
     sampling_params_from_args,
     spec_params_from_args,
@@ -24,6 +25,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Result, Task
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels.kv_format import KVTypes
 from specserve.model.lora import check_adapter_files
 from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.factory import build_chain
@@ -45,13 +47,13 @@ class GenerationSession:
     @classmethod
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
-             progress: bool = True, weight_format: str = "auto",
+             progress: bool = True, weight_format: str = "auto", kv_types: KVTypes = (None, None),
              remote: RemoteOptions | None = None, tensor_parallel: int = 1,
              lora: Sequence[tuple[str, float]] = ()) -> GenerationSession:
         """lora: (adapter file, scale) pairs, as --lora / --lora-scaled give them."""
         check_adapter_files(path for path, _ in lora)
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
-                                                  progress=progress, weight_format=weight_format,
+                                                  progress=progress, weight_format=weight_format, kv_types=kv_types,
                                                   tensor_parallel=tensor_parallel, adapters=[p for p, _ in lora])
         scales = tuple(scale for _, scale in lora)
         return cls(runner, Tokenizer.from_gguf(model_file(runner)), sampling or SamplingParams(),
@@ -61,7 +63,8 @@ class GenerationSession:
     def from_args(cls, args: argparse.Namespace) -> GenerationSession:
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
                         draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
-                        weight_format=args.weight_format, remote=remote_from_args(args),
+                        weight_format=args.weight_format, kv_types=kv_types_from_args(args),
+                        remote=remote_from_args(args),
                         tensor_parallel=tensor_parallel_from_args(args), lora=getattr(args, "lora", ()))
 
     def prompt_tokens(self, prompt: str, chat: bool = False) -> list[int]:

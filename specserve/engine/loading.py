@@ -35,6 +35,9 @@ def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptio
     if adapters and (remote is not None or tensor_parallel > 1):
         raise NotSupported("LoRA adapters (--lora) need the model on this machine's one device: not with --remote "
                            "or --tensor-parallel")
+    if runner_args.get("kv_types", (None, None)) != (None, None) and (remote is not None or tensor_parallel > 1):
+        raise NotSupported("-ctk/-ctv (KV cache types) need the model on this machine: not with --remote or "
+                           "--tensor-parallel")
     if remote is not None:
         return _load_remote(model or catalog.DEFAULT_MODEL, draft, remote, **runner_args)
     path = catalog.resolve(model)

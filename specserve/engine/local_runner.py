@@ -14,6 +14,7 @@ from specserve.engine.host_copy import LaunchedStep
 from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
 from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.kv_format import COMPUTE, KVTypes, kv_formats
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS
 from specserve.kernels.settings import settings
 from specserve.model.batch import Batch
@@ -105,19 +106,21 @@ class LocalRunner:
         weight_format: str = "auto",
         mmap: bool = True,
         adapters: Sequence[str | Path] = (),
+        kv_types: KVTypes = (None, None),
     ):
         """weight_format: see specserve.model.weights.WEIGHT_FORMATS ("auto": packed on a CPU with the packed-weight
         kernel, else "float": every matrix
         in `dtype`; "gguf" keeps the file's quantization, the fastest for plain decoding on CUDA).
         mmap=False reads the file's tensors into memory first (llama-server's --no-mmap). adapters: LoRA adapter
-        files (model/lora.py), each sequence's scales 0 until set_adapter_scales."""
+        files (model/lora.py), each sequence's scales 0 until set_adapter_scales. kv_types: how K and V are
+        stored (-ctk, -ctv: kernels/kv_format.py's names; None: the compute dtype)."""
         gguf = GGUFFile(model_path, mmap=mmap)
         config = read_config(gguf.metadata, set(gguf.tensor_names()))
         dev = checked_device(device)
         dt = dtype or default_dtype(dev)
         self.weight_format = resolve_weight_format(weight_format, dev)
         weights = load_weights(gguf, config, dt, dev, progress, self.weight_format)
-        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs, kv_size)
+        self._setup(config, weights, n_seqs, n_ctx, cuda_graphs, kv_size, kv_types)
         self.gguf: GGUFFile | None = gguf
         if adapters:
             self.adapters = attach_adapters(self.model, config, [read_adapter(p) for p in adapters], n_seqs)
@@ -125,17 +128,18 @@ class LocalRunner:
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: ModelWeights, *, n_seqs: int = 1, n_ctx: int | None = None,
-                     kv_size: int | None = None, cuda_graphs: bool = True, weight_format: str = "float") -> LocalRunner:
+                     kv_size: int | None = None, cuda_graphs: bool = True, weight_format: str = "float",
+                     kv_types: KVTypes = (None, None)) -> LocalRunner:
         """A runner over weights built elsewhere (e.g. random weights for speed tests); "q8"
         quantizes their matrices in place."""
         runner = cls.__new__(cls)
         runner.weight_format = resolve_weight_format(weight_format)
-        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs, kv_size)
+        runner._setup(config, quantize_weights(weights, weight_format), n_seqs, n_ctx, cuda_graphs, kv_size, kv_types)
         runner.gguf = None
         return runner
 
     def _setup(self, config: ModelConfig, weights: ModelWeights, n_seqs: int, n_ctx: int | None,
-               cuda_graphs: bool, kv_size: int | None = None) -> None:
+               cuda_graphs: bool, kv_size: int | None = None, kv_types: KVTypes = (None, None)) -> None:
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
@@ -155,10 +159,16 @@ class LocalRunner:
                       and triton_enabled(weights.embed))
         self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size, kv_size, BLOCK_SIZE)
         self.seq_len = self.ledger.seq_len  # (the same list)
+        formats = kv_formats(kv_types, cfg.head_dim)
         # With graphs, a scratch block (through a scratch table row) absorbs the writes of padding rows.
         self.kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=self.ledger.blocks.n_blocks,
                           n_seqs=n_seqs, n_ctx=self.n_ctx, block_size=BLOCK_SIZE, dtype=self.dtype, device=self.device,
-                          scratch=use_graphs)
+                          scratch=use_graphs, formats=formats)
+        if formats != (COMPUTE, COMPUTE):
+            self.model.store_cache_apart()
+        k_name, v_name = (str(self.dtype).removeprefix("torch.") if f is COMPUTE else f.name for f in formats)
+        log.info("KV cache: %d positions, K %s, V %s, %.1f MiB", self.ledger.blocks.n_blocks * BLOCK_SIZE, k_name,
+                 v_name, self.kv.n_bytes / 2**20)
         # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
         # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
         # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).

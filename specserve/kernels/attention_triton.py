@@ -1,4 +1,5 @@
-"""Triton attention over the paged KV cache (model/kv_cache.py), flash-decoding style.
+"""Triton attention over the paged KV cache (model/kv_cache.py; float or packed rows, kernels/kv_format.py),
+flash-decoding style.
 
 Every query row carries its own (sequence, position), so one launch serves any mix of
 decode rows and multi-token verify rows of many sequences, and the launch shape depends
@@ -17,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.kv_format import format_of
+
 BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
 # A row of ctx positions takes splits of cdiv(ctx, MAX_SPLITS * BLOCK_N) key tiles: one tile (64 keys) up to 4,096
@@ -24,10 +27,31 @@ MAX_SPLITS = 64  # the merge holds every split of a row at once
 
 
 @triton.jit
+def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Keys or values [BLOCK, HEAD_DIM] whose rows start at `rows` (storage elements): float rows as stored
+    (BITS 0), packed q8_0 / q4_0 rows (kernels/kv_format.py) decoded to fp32."""
+    if BITS == 0:
+        return tl.load(c_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    n_code: tl.constexpr = HEAD_DIM * BITS // 8
+    # each value reads its group's fp16 scale (32 neighbours share an address, served from cache)
+    scale_at = (c_ptr + rows[:, None] + n_code + (d[None, :] // 32) * 2).to(tl.pointer_type(tl.float16))
+    scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)
+    if BITS == 8:
+        codes = tl.load((c_ptr + rows[:, None] + d[None, :]).to(tl.pointer_type(tl.int8)), mask=mask[:, None],
+                        other=0).to(tl.float32)
+    else:  # value j is the low nibble of byte j, value j + HEAD_DIM / 2 its high nibble
+        half: tl.constexpr = HEAD_DIM // 2
+        byte = tl.load(c_ptr + rows[:, None] + d[None, :] % half, mask=mask[:, None], other=0).to(tl.int32)
+        codes = ((byte >> ((d[None, :] // half) * 4)) & 15).to(tl.float32) - 8.0
+    return codes * scale
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
-                       stride_q_tok, stride_q_head, stride_c_block, stride_c_head, stride_t,
-                       KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                       stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
+                       stride_t, KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                       K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,15 +75,15 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
-            rows = block * stride_c_block + kv_head * stride_c_head + (n % KV_BLOCK) * HEAD_DIM
-            offs = rows[:, None] + d[None, :]
-            k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
+            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
+            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -90,23 +114,25 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.co
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
               seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, H, D]; caches [n_blocks, Hkv, block_size, D] (one layer), table int32 [seqs, blocks a sequence]
-    -> out [N, H, D]."""
+    """q [N, H, D]; caches [n_blocks, Hkv, block_size, row] (one layer: rows of D values, or packed rows),
+    table int32 [seqs, blocks a sequence] -> out [N, H, D]."""
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
     n_splits = MAX_SPLITS  # the grid's bound: each row uses as many as its own context needs
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
-    assert k_cache.stride() == v_cache.stride()
-    assert table.stride(1) == 1
+    for c in (k_cache, v_cache):
+        assert c.stride(3) == 1 and c.stride(2) == c.shape[3]
+    assert q.stride(2) == 1 and table.stride(1) == 1
+    k_bits, v_bits = (format_of(c, head_dim).code_bits for c in (k_cache, v_cache))
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
     _attn_split_kernel[(n_rows, n_kv, n_splits)](
         q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-        KV_BLOCK=block_size, N_SPLITS=n_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N, num_warps=4, num_stages=2,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), KV_BLOCK=block_size, N_SPLITS=n_splits, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
+        K_ROW=k_cache.shape[3], V_ROW=v_cache.shape[3], K_BITS=k_bits, V_BITS=v_bits, num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
                                            SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,

@@ -9,6 +9,7 @@ import torch
 
 from specserve.kernels import cpu_ops
 from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.kv_format import store_rows
 from specserve.kernels.rmsnorm import rms_norm
 
 
@@ -55,8 +56,8 @@ def rope_and_cache_ref(
     cos, sin = cos_table[positions], sin_table[positions]
     size = k_cache.shape[2]
     blocks, offsets = torch.div(slots, size, rounding_mode="floor"), slots % size
-    k_cache[blocks, :, offsets] = apply_rope(k, cos, sin, style)
-    v_cache[blocks, :, offsets] = v
+    store_rows(k_cache, blocks, offsets, apply_rope(k, cos, sin, style))
+    store_rows(v_cache, blocks, offsets, v)
     return apply_rope(q, cos, sin, style)
 
 
@@ -67,7 +68,8 @@ def rope_and_cache(
 ) -> torch.Tensor:
     """rope_and_cache_ref; head_norms (q weight, k weight, eps): each q and k head RMS-normalised first (in the
     same launch where Triton runs)."""
-    if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1]:
+    as_computed = k_cache.dtype == v_cache.dtype == q.dtype  # else -ctk/-ctv chose another type: the reference
+    if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1] and as_computed:
         from specserve.kernels import rope_triton
 
         return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, slots,

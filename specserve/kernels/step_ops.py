@@ -124,11 +124,13 @@ class NormQKVRope:
     n_kv_heads: int
     head_dim: int
     adapters: LowRank | None = None
+    cache_in_epilogue: bool = True  # False where K or V is stored in another type (-ctk/-ctv): rope_and_cache writes
 
     def fusable(self, x: torch.Tensor) -> bool:
-        """The epilogue rotates whole heads of a multiple of 16 values and has no per-head RMSNorm."""
+        """The epilogue rotates whole heads of a multiple of 16 values, has no per-head RMSNorm and writes
+        compute-dtype cache rows."""
         rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
-                   and self.style in ("neox", "interleaved") and self.adapters is None)
+                   and self.style in ("neox", "interleaved") and self.adapters is None and self.cache_in_epilogue)
         return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, slots: torch.Tensor,

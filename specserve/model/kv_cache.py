@@ -1,7 +1,7 @@
 """Paged KV memory, device side: the pool every sequence's K/V rows live in, and the block tables the
 attention kernels read (the host's accounting is kv_blocks.py / kv_ledger.py).
 
-The pool is [n_layers, 2 (K/V), n_blocks, n_kv_heads, block_size, head_dim]: within a block each head's rows
+A pool (one for K, one for V) is [n_layers, n_blocks, n_kv_heads, block_size, row]: within a block each head's rows
 are contiguous, so attention reads a head's keys in runs of a block rather than one row between the other
 heads' (docs/perf.md has what that is worth on the CPU). A row's K/V goes to its slot: block
 slot // block_size, offset slot % block_size. A sequence's keys are found through its table row [blocks a
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.kv_format import COMPUTE, KVFormat
 from specserve.model.kv_blocks import blocks_for
 
 
@@ -38,17 +39,25 @@ class KVStep:
 
 class PagedKV:
     """The pool and the block tables of one runner. With a scratch block (CUDA graphs), padding rows of a
-    graph write to the last block through the last table row, which no sequence uses."""
+    graph write to the last block through the last table row, which no sequence uses.
+
+    K and V each have their own pool [n_layers, n_blocks, n_kv_heads, block_size, row width] in their own
+    format (model/kv_format.py: `-ctk`, `-ctv`); a float format's row is head_dim values."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, n_blocks: int, n_seqs: int, n_ctx: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, scratch: bool = False):
+                 block_size: int, dtype: torch.dtype, device: torch.device, scratch: bool = False,
+                 formats: tuple[KVFormat, KVFormat] = (COMPUTE, COMPUTE)):
         self.block_size = block_size
+        self.head_dim = head_dim
+        self.dtype = dtype  # what rows are read back as
         self.scratch_block = n_blocks
-        self.pool = torch.zeros((n_layers, 2, n_blocks + int(scratch), n_kv_heads, block_size, head_dim),
-                                dtype=dtype, device=device)
+        self.formats = formats
+        self.pools = [torch.zeros((n_layers, n_blocks + int(scratch), n_kv_heads, block_size, f.row_width(head_dim)),
+                                  dtype=f.storage_dtype(dtype), device=device) for f in formats]
         self.table = torch.full((n_seqs + int(scratch), blocks_for(n_ctx, block_size)), n_blocks if scratch else 0,
                                 dtype=torch.int32, device=device)
-        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(n_layers)]  # views made once, not per step
+        k_pool, v_pool = self.pools
+        self.layers = [(k_pool[i], v_pool[i]) for i in range(n_layers)]  # views made once, not per step
 
     @property
     def scratch_slot(self) -> int:
@@ -56,7 +65,7 @@ class PagedKV:
 
     @property
     def n_bytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return sum(pool.numel() * pool.element_size() for pool in self.pools)
 
     def step(self, slots: torch.Tensor) -> KVStep:
         return KVStep(self.layers, self.table, slots)
@@ -64,23 +73,30 @@ class PagedKV:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each (source, destination) block, every layer (copy on write; queued in stream order)."""
         if pairs:
-            src, dst = (torch.tensor(ids).to(self.pool.device) for ids in zip(*pairs, strict=True))
-            self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
+            src, dst = (torch.tensor(ids).to(self.table.device) for ids in zip(*pairs, strict=True))
+            for pool in self.pools:
+                pool.index_copy_(1, dst, pool.index_select(1, src))
 
     def set_table(self, seq: int, blocks: Sequence[int]) -> None:
         if blocks:
             self.table[seq, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device)
 
     def _where(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(list(slots), dtype=torch.long).to(self.pool.device)
+        index = torch.tensor(list(slots), dtype=torch.long).to(self.table.device)
         return torch.div(index, self.block_size, rounding_mode="floor"), index % self.block_size
 
     def read(self, slots: Sequence[int]) -> torch.Tensor:
-        """The rows at these slots on the CPU: [n_layers, 2, n_kv_heads, len(slots), head_dim]."""
+        """The rows at these slots on the CPU, as values: [n_layers, 2, n_kv_heads, len(slots), head_dim] (in the
+        compute dtype; fp32 where a pool is packed, so they encode back to the same bytes)."""
         blocks, offsets = self._where(slots)
-        return self.pool[:, :, blocks, :, offsets].permute(1, 2, 3, 0, 4).to("cpu", copy=True)
+        dtype = torch.float32 if any(f.packed for f in self.formats) else self.dtype
+        # indexing two dims apart puts the slots first: [n, n_layers, heads, row]
+        rows = [f.decode(pool[:, blocks, :, offsets], self.head_dim, dtype).permute(1, 2, 0, 3)
+                for f, pool in zip(self.formats, self.pools, strict=True)]
+        return torch.stack(rows, dim=1).to("cpu", copy=True)
 
     def write(self, slots: Sequence[int], kv: torch.Tensor) -> None:
         """kv [n_layers, 2, n_kv_heads, len(slots), head_dim] into these slots."""
         blocks, offsets = self._where(slots)
-        self.pool[:, :, blocks, :, offsets] = kv.permute(3, 0, 1, 2, 4).to(self.pool.device, self.pool.dtype)
+        for i, (f, pool) in enumerate(zip(self.formats, self.pools, strict=True)):
+            pool[:, blocks, :, offsets] = f.encode(kv[:, i].to(pool.device).permute(2, 0, 1, 3)).to(pool.dtype)

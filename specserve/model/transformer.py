@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.kernels.step_ops import ResidualStream, StepFusion
+from specserve.kernels.step_ops import NormQKVRope, ResidualStream, StepFusion, StepOp
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
 from specserve.model.config import ModelConfig
 from specserve.model.kv_cache import KVStep
@@ -33,14 +33,25 @@ class Transformer:
         decoder_layer = family(config.arch).decoder_layer
         self.layers = [decoder_layer(config, i, lw, rope) for i, lw in enumerate(weights.layers)]
         self.head = OutputHead(config, weights)
-        self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
+        self.fusion = StepFusion(self._ops())
         self.adapter_scales: AdapterRows | None = None  # (model/lora.py)
 
     def use_adapters(self, scales: AdapterRows) -> None:
         """Steps read each row's adapter scales from `scales.table` by sequence id (while `in_use`); the products
         that have adapters no longer fuse, so the step fusion is decided again."""
         self.adapter_scales = scales
-        self.fusion = StepFusion([op for layer in self.layers for op in layer.ops()])
+        self.fusion = StepFusion(self._ops())
+
+    def store_cache_apart(self) -> None:
+        """K or V is stored in another type than the compute dtype (-ctk/-ctv): the [q | k | v] products leave the
+        cache write to rope_and_cache instead of their epilogue, so the step fusion is decided again."""
+        for op in self._ops():
+            if isinstance(op, NormQKVRope):
+                op.cache_in_epilogue = False
+        self.fusion = StepFusion(self._ops())
+
+    def _ops(self) -> list[StepOp]:
+        return [op for layer in self.layers for op in layer.ops()]
 
     def _stream(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                 logit_rows: torch.Tensor | None, runs: Runs, kv: KVStep) -> ResidualStream:

@@ -12,6 +12,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.slot_state import POOLINGS
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.kernels.kv_format import KVTypes
 from specserve.model.lora import check_adapter_files
 from specserve.model.registry import read_config
 from specserve.server.reasoning import FORMATS as REASONING_FORMATS
@@ -37,6 +38,7 @@ class ServerSettings:
     n_predict: int = -1
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
+    kv_types: KVTypes = (None, None)  # -ctk, -ctv (kernels/kv_format.py; None: the compute dtype)
     remote: RemoteOptions | None = None  # run the model on a remote host
     tensor_parallel: int = 1  # ranks the model is split over (engine/tp_runner.py)
     alias: str | None = None  # names the API shows and accepts, comma-separated (the first is shown)
