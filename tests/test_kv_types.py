@@ -17,7 +17,7 @@ from specserve.engine.local_runner import LocalRunner
 from specserve.errors import SpecserveError
 from specserve.kernels.attention import attention, attention_ref
 from specserve.kernels.kv_format import FORMATS, format_of, kv_formats
-from specserve.kernels.rope import rope_and_cache_ref, rope_cos_sin
+from specserve.kernels.rope import rope_and_cache, rope_and_cache_ref, rope_cos_sin
 from tests.helpers import prefill
 from tests.paged import dense_attention, paged_cache
 from tests.server_utils import ServerProcess, served
@@ -57,8 +57,8 @@ def test_unknown_types_and_head_sizes_are_one_line_errors() -> None:
 @pytest.mark.parametrize("k_name,v_name", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q8_0", "f16"), ("f16", "f16")])
 def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> None:
     """Attention with K and V stored packed equals attention over the values those rows decode to (the dense
-    reference, fp32), on the torch path and, on CUDA, the Triton kernel; keys written by rope_and_cache land
-    as the format encodes them."""
+    reference, fp32), on the torch path and the kernel (C on the CPU, Triton on CUDA); rows written by
+    rope_and_cache are the format's encoding, the kernel's bytes the reference's."""
     gen = torch.Generator().manual_seed(7)
     n_heads, n_kv, dim, ctx = 8, 2, 64, 300
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -85,19 +85,23 @@ def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> No
     for out in (got_ref, got):
         assert (out.float() - want).abs().max().item() < tol * want.abs().max().item()
 
-    k_new = torch.randn(4, n_kv, dim, generator=gen).to(device, dtype)
-    v_new = torch.randn(4, n_kv, dim, generator=gen).to(device, dtype)
-    q_new = torch.randn(4, n_heads, dim, generator=gen).to(device, dtype)
+    # new rows as one [q | k | v] product's columns (the C kernel's layout)
+    qkv = torch.randn(4, (n_heads + 2 * n_kv) * dim, generator=gen).to(device, dtype)
+    q_new, k_new, v_new = (part.unflatten(1, (-1, dim)) for part in qkv.split([n_heads * dim, n_kv * dim,
+                                                                                 n_kv * dim], dim=1))
     cos, sin = rope_cos_sin(dim, 10000.0, ctx, device=device)
     slots = torch.tensor([5, 40, 41, 200], device=device)
     new_pos = torch.tensor([3, 9, 10, 250], device=device)
     plain_k = torch.zeros(cache.k.shape, dtype=dtype, device=device)
     plain_v = torch.zeros_like(plain_k)
     rope_and_cache_ref(q_new, k_new, v_new, cos, sin, new_pos, slots, plain_k, plain_v, "neox")
-    rope_and_cache_ref(q_new, k_new, v_new, cos, sin, new_pos, slots, k_rows, v_rows, "neox")
+    k_ref, v_ref = k_rows.clone(), v_rows.clone()
+    rope_and_cache_ref(q_new, k_new, v_new, cos, sin, new_pos, slots, k_ref, v_ref, "neox")
+    rope_and_cache(q_new, k_new, v_new, cos, sin, new_pos, slots, k_rows, v_rows, "neox")  # C on the CPU
     b, o = slots // 16, slots % 16
-    for fmt, rows, plain in ((k_fmt, k_rows, plain_k), (v_fmt, v_rows, plain_v)):
-        assert torch.equal(rows[b, :, o], fmt.encode(plain[b, :, o]).to(rows.dtype))
+    for fmt, rows, ref, plain in ((k_fmt, k_rows, k_ref, plain_k), (v_fmt, v_rows, v_ref, plain_v)):
+        assert torch.equal(ref[b, :, o], fmt.encode(plain[b, :, o]).to(rows.dtype))
+        assert torch.equal(rows, ref)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import ctypes
 import torch
 
 from specserve.kernels.cpu import build
+from specserve.kernels.kv_format import format_of
 
 
 def _lib() -> ctypes.CDLL:
@@ -60,9 +61,9 @@ def rope_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     product), caches [blocks, heads, block size, dim] with contiguous rows, int64 positions and slots."""
     dim, row = q.shape[-1], q.stride(0)
     views = all(t.stride(2) == 1 and t.stride(1) == dim and (t.stride(0) == row or t.shape[0] == 1) for t in (q, k, v))
-    caches = _paged(k_cache, v_cache)
+    caches = _paged(k_cache, v_cache, dim)
     ids = positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
-    return views and caches and ids and takes(q, k, v, k_cache, v_cache)
+    return views and caches and ids and takes(q, k, v)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -75,26 +76,34 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     row = q.stride(0) if tokens > 1 else 0  # a view's stride over one row is arbitrary, and unused
     _lib().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
                            dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                           slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                           k_cache.stride(1), k_cache.shape[2].bit_length() - 1, style == "neox",
-                           out.data_ptr())
+                           slots.data_ptr(), *_cache_args(k_cache, dim), *_cache_args(v_cache, dim),
+                           k_cache.shape[2].bit_length() - 1, style == "neox", out.data_ptr())
     return out
 
 
-def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), dim], contiguous."""
+def _cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int]:
+    """(data, block stride, head stride, bits) of a layer's cache, as cpu/ops.c's kv_cache."""
+    return cache.data_ptr(), cache.stride(0), cache.stride(1), format_of(cache, dim).code_bits
+
+
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
+    """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), row], contiguous
+    CPU tensors of fp32 rows of dim values or packed rows (cpu/kv_rows.h)."""
+    def rows(c: torch.Tensor) -> bool:
+        width = dim if c.dtype == torch.float32 else format_of(c, dim).row_width(dim) if c.dtype == torch.uint8 else -1
+        return c.device.type == "cpu" and c.is_contiguous() and c.shape[3] == width
+
     size = k_cache.shape[2]
-    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape and \
-        size & (size - 1) == 0
+    return rows(k_cache) and rows(v_cache) and k_cache.shape[:3] == v_cache.shape[:3] and size & (size - 1) == 0
 
 
 def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     seq_ids: torch.Tensor, table: torch.Tensor) -> bool:
-    caches = _paged(k_cache, v_cache)
+    caches = _paged(k_cache, v_cache, q.shape[-1])
     ids = positions.dtype == seq_ids.dtype == torch.int64 and positions.is_contiguous() and seq_ids.is_contiguous()
     heads = q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 256  # ops.c's per-group bound
     blocks = table.dtype == torch.int32 and table.is_contiguous() and table.device.type == "cpu"
-    return caches and ids and heads and blocks and q.shape[0] > 0 and takes(q, k_cache, v_cache)
+    return caches and ids and heads and blocks and q.shape[0] > 0 and takes(q)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -104,9 +113,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
-    if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, k_cache.data_ptr(),
-                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), positions.data_ptr(),
-                             seq_ids.data_ptr(), table.data_ptr(), table.shape[1],
+    if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, *_cache_args(k_cache, dim),
+                             *_cache_args(v_cache, dim), positions.data_ptr(), seq_ids.data_ptr(),
+                             table.data_ptr(), table.shape[1],
                              k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
                              torch.get_num_threads()):
         raise MemoryError("CPU attention could not allocate its scores")

@@ -108,7 +108,10 @@ def format_of(cache: torch.Tensor, head_dim: int) -> KVFormat:
     if cache.dtype != torch.uint8:
         return COMPUTE
     width = cache.shape[-1]
-    return next(f for f in FORMATS.values() if f.packed and f.row_width(head_dim) == width)
+    found = [f for f in FORMATS.values() if f.packed and f.row_width(head_dim) == width]
+    if not found:
+        raise ValueError(f"a uint8 cache of rows of {width} bytes holds no packed format of {head_dim} values")
+    return found[0]
 
 
 def store_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:

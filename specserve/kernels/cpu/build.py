@@ -36,7 +36,7 @@ BUILDS = (
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
 SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c")
-HEADERS = ("packed.h", "pool.h", "simd.h")
+HEADERS = ("kv_rows.h", "packed.h", "pool.h", "simd.h")
 _lock = threading.Lock()
 
 
@@ -89,8 +89,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "q_gemv_i8": (i32, [ptr] * 5 + [i32] * 9),
         "q_i8_grouped": (i32, [i32]),
         "cpu_rms_norm": (None, [ptr] * 5 + [i32, i32, f32]),
-        "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 6 + [i64, i64, i32, i32, ptr]),
-        "cpu_attention": (i32, [ptr, i32, i32, i32, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
+        "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 4 + [ptr, i64, i64, i32] * 2
+                           + [i32, i32, ptr]),
+        "cpu_attention": (i32, [ptr, i32, i32, i32, i32] + [ptr, i64, i64, i32] * 2
+                          + [ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
         "cpu_silu_mul": (None, [ptr, ptr, i32, i32]),
     }
     for name, (result, args) in signatures.items():

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_rows.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -49,45 +50,86 @@ static void rotate(const float* src, float* dst, const float* c, const float* s,
     for (int i = 2 * half; i < dim; ++i) dst[i] = src[i];
 }
 
+// Where a paged cache keeps its rows: [blocks, heads, 1 << block_shift, row] in storage elements (floats, or
+// bytes when packed: kv_rows.h).
+typedef struct {
+    void* data;
+    int64_t block_stride, head_stride;
+    int bits;
+} kv_cache;
+
+static inline int64_t kv_row_at(const kv_cache* c, int64_t slot, int head, int block_shift, int dim) {
+    return (slot >> block_shift) * c->block_stride + (int64_t)head * c->head_stride +
+           (slot & ((1 << block_shift) - 1)) * kv_row_width(dim, c->bits);
+}
+
 // For each of T tokens (rows of a [q | k | v] product, row_stride floats apart): q's heads rotated into q_out
-// [T, n_heads, dim]; k's rotated and v's copied into the paged caches [blocks, heads, 1 << block_shift, dim] at
-// slot slots[t]: block slots[t] >> block_shift, row the slot's low bits.
+// [T, n_heads, dim]; k's rotated and v's copied into the paged caches at slot slots[t]: block
+// slots[t] >> block_shift, row the slot's low bits (encoded where a cache is packed).
 void cpu_rope_cache(const float* q, const float* k, const float* v, int64_t row_stride, int T, int n_heads,
                     int n_kv_heads, int dim, int half, const float* cos_table, const float* sin_table,
-                    const int64_t* positions, const int64_t* slots, float* k_cache, float* v_cache,
-                    int64_t block_stride, int64_t head_stride, int block_shift, int neox, float* q_out) {
+                    const int64_t* positions, const int64_t* slots, void* k_data, int64_t k_block_stride,
+                    int64_t k_head_stride, int k_bits, void* v_data, int64_t v_block_stride, int64_t v_head_stride,
+                    int v_bits, int block_shift, int neox, float* q_out) {
+    const kv_cache kc = {k_data, k_block_stride, k_head_stride, k_bits};
+    const kv_cache vc = {v_data, v_block_stride, v_head_stride, v_bits};
+    float rotated[512];  // one head (head sizes are at most 256)
     for (int t = 0; t < T; ++t) {
         const int64_t pos = positions[t];
         const float* c = cos_table + pos * half;
         const float* s = sin_table + pos * half;
         for (int h = 0; h < n_heads; ++h)
             rotate(q + t * row_stride + h * dim, q_out + ((int64_t)t * n_heads + h) * dim, c, s, dim, half, neox);
-        const int64_t base = (slots[t] >> block_shift) * block_stride + (slots[t] & ((1 << block_shift) - 1)) * dim;
         for (int h = 0; h < n_kv_heads; ++h) {
-            rotate(k + t * row_stride + h * dim, k_cache + base + h * head_stride, c, s, dim, half, neox);
-            const float* vs = v + t * row_stride + h * dim;
-            float* vd = v_cache + base + h * head_stride;
-            for (int i = 0; i < dim; ++i) vd[i] = vs[i];
+            rotate(k + t * row_stride + h * dim, rotated, c, s, dim, half, neox);
+            kv_store_row(rotated, kc.data, kv_row_at(&kc, slots[t], h, block_shift, dim), dim, k_bits);
+            kv_store_row(v + t * row_stride + h * dim, vc.data, kv_row_at(&vc, slots[t], h, block_shift, dim), dim,
+                         v_bits);
         }
     }
 }
 
 typedef struct {
     const float* q;
-    const float* k_cache;
-    const float* v_cache;
+    kv_cache k, v;
     const int64_t* positions;
     const int64_t* seq_ids;
     const int32_t* table;  // [seqs, table_width]: pool block of each of a sequence's blocks
     float* out;
     int n_heads, n_kv_heads, dim, table_width, block_shift;  // a block holds 1 << block_shift positions
-    int64_t block_stride, head_stride;
     float scale;
     int failed;  // a thread could not allocate its scores
 } attention_job;
 
 static __thread float* score_buf = NULL;
 static __thread int64_t score_size = 0;
+static __thread float* k_rows_buf = NULL;  // a packed cache's rows of one (sequence, head), decoded
+static __thread int64_t k_rows_size = 0;
+static __thread float* v_rows_buf = NULL;
+static __thread int64_t v_rows_size = 0;
+
+// A thread's buffer of at least n floats (kept and grown, with room for later steps); NULL if out of memory.
+static float* grown(float** buf, int64_t* size, int64_t n) {
+    if (n > *size) {
+        free(*buf);
+        *size = 0;
+        *buf = malloc(sizeof(float) * (size_t)(n + 65536));
+        if (*buf == NULL) return NULL;
+        *size = n + 65536;
+    }
+    return *buf;
+}
+
+// Rows 0..len-1 of one head of a sequence (through its blocks), decoded into out [len, dim].
+static void decode_rows(const kv_cache* c, const int32_t* blocks, int block_shift, int64_t head, int len, int dim,
+                        float* out) {
+    const int64_t width = kv_row_width(dim, c->bits);
+    for (int j = 0; j < len; ++j) {
+        const uint8_t* row = (const uint8_t*)c->data + (int64_t)blocks[j >> block_shift] * c->block_stride + head +
+                             (j & ((1 << block_shift) - 1)) * width;
+        kv_decode_row(row, out + (int64_t)j * dim, dim, c->bits);
+    }
+}
 
 // Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
 // sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift], whose
@@ -101,22 +143,25 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
     for (int item = start; item < end; ++item) {
         const int t = item / a->n_kv_heads, kvh = item % a->n_kv_heads;
         const int len = (int)a->positions[t] + 1;
-        if ((int64_t)group * len > score_size) {
-            free(score_buf);
-            score_size = 0;
-            score_buf = malloc(sizeof(float) * (size_t)group * (size_t)(len + 1024));  // room for later steps
-            if (score_buf == NULL) {
-                __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
-                return;
-            }
-            score_size = (int64_t)group * (len + 1024);
-        }
-        const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
         const int32_t* blocks = a->table + a->seq_ids[t] * a->table_width;
+        // packed rows are decoded first, into [len, dim]: then read as one block of len rows
+        const int64_t rows = (int64_t)len * dim;
+        float* k_dense = a->k.bits ? grown(&k_rows_buf, &k_rows_size, rows) : NULL;
+        float* v_dense = a->v.bits ? grown(&v_rows_buf, &v_rows_size, rows) : NULL;
+        if (grown(&score_buf, &score_size, (int64_t)group * len) == NULL || (a->k.bits && k_dense == NULL) ||
+            (a->v.bits && v_dense == NULL)) {
+            __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        const int64_t k_head = (int64_t)kvh * a->k.head_stride, v_head = (int64_t)kvh * a->v.head_stride;
+        if (k_dense) decode_rows(&a->k, blocks, a->block_shift, k_head, len, dim, k_dense);
+        if (v_dense) decode_rows(&a->v, blocks, a->block_shift, v_head, len, dim, v_dense);
+        const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
         const int bsize = 1 << a->block_shift;
-        const int64_t head = (int64_t)kvh * a->head_stride;
         for (int j0 = 0; j0 < len; j0 += bsize) {
-            const float* kb = a->k_cache + (int64_t)blocks[j0 >> a->block_shift] * a->block_stride + head;
+            const float* kb = k_dense ? k_dense + (int64_t)j0 * dim
+                                      : (const float*)a->k.data + (int64_t)blocks[j0 >> a->block_shift] *
+                                                                      a->k.block_stride + k_head;
             const int jn = len - j0 < bsize ? len - j0 : bsize;
             for (int j = 0; j < jn; ++j) {
                 for (int g = 0; g < group; ++g) {
@@ -149,7 +194,9 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                 const int gn = group - g0 < 8 ? group - g0 : 8;
                 for (int g = 0; g < gn; ++g) acc[g] = v_zero();
                 for (int j0 = 0; j0 < len; j0 += bsize) {
-                    const float* vb = a->v_cache + (int64_t)blocks[j0 >> a->block_shift] * a->block_stride + head;
+                    const float* vb = v_dense ? v_dense + (int64_t)j0 * dim
+                                              : (const float*)a->v.data + (int64_t)blocks[j0 >> a->block_shift] *
+                                                                              a->v.block_stride + v_head;
                     const int jn = len - j0 < bsize ? len - j0 : bsize;
                     for (int j = 0; j < jn; ++j) {
                         const vf vj = v_load_n(vb + (int64_t)j * dim + i, dim - i);
@@ -175,18 +222,29 @@ static void attention_items(void* p, int start, int end) {
 }
 
 // out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the paged caches
-// [blocks, kv heads, 1 << block_shift, dim]:
+// [blocks, kv heads, 1 << block_shift, row] (fp32 rows of dim values, or packed rows: kv_rows.h):
 // token t reads sequence seq_ids[t] at positions 0..positions[t] through its row of the block table; q head h reads
 // kv head h / (n_heads / n_kv_heads). Returns 0, or -1 when scratch for the scores could not be allocated (out is
 // then incomplete).
-int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, const float* k_cache,
-                  const float* v_cache, int64_t block_stride, int64_t head_stride, const int64_t* positions,
-                  const int64_t* seq_ids, const int32_t* table, int table_width, int block_shift, float scale,
-                  float* out, int threads) {
+int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, void* k_data, int64_t k_block_stride,
+                  int64_t k_head_stride, int k_bits, void* v_data, int64_t v_block_stride, int64_t v_head_stride,
+                  int v_bits, const int64_t* positions, const int64_t* seq_ids, const int32_t* table,
+                  int table_width, int block_shift, float scale, float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
-    attention_job a = {q,       k_cache,    v_cache,    positions,   seq_ids,    table,       out,
-                       n_heads, n_kv_heads, dim,        table_width, block_shift, block_stride, head_stride,
-                       scale,   0};
+    attention_job a = {q,
+                       {k_data, k_block_stride, k_head_stride, k_bits},
+                       {v_data, v_block_stride, v_head_stride, v_bits},
+                       positions,
+                       seq_ids,
+                       table,
+                       out,
+                       n_heads,
+                       n_kv_heads,
+                       dim,
+                       table_width,
+                       block_shift,
+                       scale,
+                       0};
     // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
     const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;
     pool_run(work < (1 << 18) ? 1 : threads, T * n_kv_heads, 1, attention_items, &a);
