@@ -40,6 +40,7 @@ def _torchrun_follower(args: argparse.Namespace) -> Callable[[], int] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (router mode passes most of it on)
     func: Callable[[argparse.Namespace], int] = args.func
     if getattr(args, "batch_invariant", False):
         from specserve.kernels import batch_invariant

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specserve.cli.serve_flags import add_llama_server_flags, llama_server_settings, parse_env_bool
+from specserve.cli.serve_router import add_router_args
 from specserve.errors import SpecserveError
 from specserve.speculative.shared_suffix import DEFAULT_TOKENS
 
@@ -133,6 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="accepted for llama-server's command lines: the embedding endpoints are always served")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     add_llama_server_flags(g)
+    add_router_args(g)
     add_sampling_args(p)
     add_spec_args(p)
     _apply_env(p)
@@ -202,6 +204,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.app import create_app
     from specserve.server.lifecycle import GracefulServer
 
+    if args.models_dir is not None:
+        from specserve.cli.serve_router import run_router
+
+        return run_router(args, api_keys(args))
     settings = server_settings(args)
     keys = api_keys(args)  # (an unreadable key file is a one-line error before anything binds)
     hosts = listen.parse_hosts(args.host)

@@ -4,6 +4,7 @@
 
 const STORE_CONVS = "specserve.conversations";
 const STORE_KEY = "specserve.apiKey";
+const STORE_MODEL = "specserve.model";  // the model picked on a router (serve --models-dir)
 // The draft-free speculative types the server accepts; "draft" is offered only when /props names a draft model.
 const SPEC_TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-suffix", "ngram-cache"];
 // Settings field -> the key of its default in /props' default_generation_settings.params.
@@ -11,7 +12,7 @@ const DEFAULT_KEYS = {temperature: "temperature", top_p: "top_p", top_k: "top_k"
   seed: "seed", "speculative.type": "speculative.type", "speculative.n_max": "speculative.n_max"};
 
 const $ = (id) => document.getElementById(id);
-const app = {convs: [], current: null, props: null, controller: null, ready: false};
+const app = {convs: [], current: null, props: null, controller: null, ready: false, model: null};
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -81,7 +82,10 @@ async function connect() {
     }
     await new Promise((done) => setTimeout(done, 1000));
   }
-  const r = await fetch("/props", {headers: authHeaders()});
+  if (!(await pickModel())) return;
+  if (app.model) setStatus("loading", "loading " + app.model + "…");
+  const r = await fetch("/props" + (app.model ? "?model=" + encodeURIComponent(app.model) : ""),
+    {headers: authHeaders()});
   if (r.status === 401) {
     setStatus("needs-key", "this server needs an API key: enter it below");
     $("api-key").focus();
@@ -97,6 +101,34 @@ async function connect() {
   app.ready = true;
   renderSettings();
   updateButtons();
+}
+
+// A router lists its models with a status each: offer them in the picker (hidden on a one-model server) and
+// send the chosen one with every request. False where the page cannot go on (a key is needed).
+async function pickModel() {
+  const r = await fetch("/v1/models", {headers: authHeaders()});
+  if (r.status === 401) {
+    setStatus("needs-key", "this server needs an API key: enter it below");
+    $("api-key").focus();
+    return false;
+  }
+  const models = r.ok ? ((await r.json()).data || []) : [];
+  const picker = $("model-pick");
+  const router = models.some((m) => m.status);
+  picker.hidden = !router;
+  if (!router) {
+    app.model = null;
+    return true;
+  }
+  const saved = localStorage.getItem(STORE_MODEL);
+  app.model = models.some((m) => m.id === saved) ? saved : models[0].id;
+  picker.replaceChildren(...models.map((m) => {
+    const option = el("option", "", m.id + " (" + m.status.value + ")");
+    option.value = m.id;
+    return option;
+  }));
+  picker.value = app.model;
+  return true;
 }
 
 // ---- rendering -------------------------------------------------------------------------------------
@@ -237,6 +269,7 @@ function requestBody(conv) {
     }
   }
   const body = {messages, stream: true};
+  if (app.model) body.model = app.model;
   const tools = parseTools(s.tools);
   if (tools) body.tools = tools;
   for (const input of document.querySelectorAll("#settings input[data-setting], #settings select")) {
@@ -370,6 +403,10 @@ function wire() {
   $("stop").addEventListener("click", () => { if (app.controller) app.controller.abort(); });
   $("new-chat").addEventListener("click", () => { if (!app.controller) newConv(); });
   $("toggle-settings").addEventListener("click", () => document.body.classList.toggle("settings-hidden"));
+  $("model-pick").addEventListener("change", () => {
+    localStorage.setItem(STORE_MODEL, $("model-pick").value);
+    connect();
+  });
   $("key-form").addEventListener("submit", (e) => {
     e.preventDefault();
     const key = $("api-key").value.trim();
