@@ -13,7 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from specserve.cli.serve_router import child_args
+from specserve.cli.model_presets import read_presets
+from specserve.cli.serve_router import _serve_flags, apply_presets, child_args
+from specserve.errors import SpecserveError
+from specserve.server.model_router import find_models
 from tests.server_utils import ServerProcess, served
 from tests.test_webui import browser  # noqa: F401 - the fixture
 
@@ -111,10 +114,39 @@ def test_page_picks_a_model(router: ServerProcess, request: pytest.FixtureReques
     assert statuses(router)["alpha"] == "loaded" and not errors
 
 
+PRESET = """version = 1
+[*]
+LLAMA_ARG_N_PREDICT = 3
+metrics = true
+[gamma]
+model = {path}
+c = 256
+stop-timeout = 2
+"""
+
+
+def test_presets_become_flags(models_dir: Path, smollm_path: Path, tmp_path: Path) -> None:
+    ini = tmp_path / "models.ini"
+    ini.write_text(PRESET.format(path=smollm_path) + "[alpha]\nwebui = false\nload-on-startup = true\n")
+    models = find_models(models_dir, with_catalog=False)
+    startup = apply_presets(models, read_presets(ini, *_serve_flags()))
+    assert startup == ["alpha"]
+    assert models["gamma"].path == smollm_path.resolve() and models["gamma"].stop_timeout == 2
+    assert models["gamma"].preset_args == ["--n-predict", "3", "--metrics", "--ctx-size", "256"]
+    assert models["alpha"].preset_args == ["--n-predict", "3", "--metrics", "--no-webui"]
+    for bad, why in (("[*]\nport = 9\n", "router's own"), ("[*]\nfrobnicate = 1\n", "not a serve flag"),
+                     ("[*]\nmetrics = maybe\n", "true or false"), ("[zeta]\nc = 9\n", "model = PATH")):
+        ini.write_text(bad)
+        with pytest.raises(SpecserveError, match=why):
+            apply_presets(find_models(models_dir, with_catalog=False), read_presets(ini, *_serve_flags()))
+
+
 @pytest.fixture(scope="module")
-def manual(models_dir: Path) -> Iterator[ServerProcess]:
-    yield from served("--models-dir", str(models_dir), "--models-max", "2", "--no-models-autoload", "--device", "cpu",
-                      "-np", "1", "-c", "512")
+def manual(models_dir: Path, smollm_path: Path, tmp_path_factory) -> Iterator[ServerProcess]:
+    ini = tmp_path_factory.mktemp("presets") / "models.ini"
+    ini.write_text(PRESET.format(path=smollm_path))
+    yield from served("--models-dir", str(models_dir), "--models-preset", str(ini), "--models-max", "2",
+                      "--no-models-autoload", "--device", "cpu", "-np", "1", "-c", "512")
 
 
 def test_loads_on_request_and_serves_while_another_loads(manual: ServerProcess) -> None:
@@ -142,6 +174,9 @@ def test_loads_on_request_and_serves_while_another_loads(manual: ServerProcess) 
     assert statuses(manual) == {**statuses(manual), "alpha": "loaded", "beta": "loaded"}
     r = manual.post("/v1/completions?autoload=true", {"model": "beta", "prompt": PROMPT, "n_predict": 4})
     assert r.status_code == 200
+    r = manual.post("/completion", {"model": "beta", "prompt": PROMPT, "temperature": 0, "ignore_eos": True})
+    assert r.json()["tokens_predicted"] == 3  # the preset's [*] n-predict
+    assert "gamma" in statuses(manual)
     assert manual.post("/models/unload", {"model": "alpha"}).json() == {"success": True}
     assert statuses(manual)["alpha"] == "unloaded"
     r = manual.post("/models/unload", {"model": "alpha"})

@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.app import create_app
     from specserve.server.lifecycle import GracefulServer
 
-    if args.models_dir is not None:
+    if args.models_dir is not None or args.models_preset is not None:
         from specserve.cli.serve_router import run_router
 
         return run_router(args, api_keys(args))

@@ -9,11 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from specserve.cli.model_presets import ModelPreset, read_presets
 from specserve.errors import SpecserveError
+from specserve.server.model_router import ModelEntry
 
 # the router's own flags (with a value, or without), never passed to a model's server
-ROUTER_VALUED = {"--models-dir", "--models-max", "--host", "--port", "--api-key", "--api-key-file", "-m", "--model",
-                 "-a", "--alias"}
+ROUTER_VALUED = {"--models-dir", "--models-max", "--models-preset", "--host", "--port", "--api-key", "--api-key-file",
+                 "-m", "--model", "-a", "--alias"}
 ROUTER_FLAGS = {"--models-autoload", "--no-models-autoload"}
 
 
@@ -21,6 +23,9 @@ def add_router_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
                    help="router mode: serve the GGUF files in DIR (and the installed catalog models), each in a "
                         "server process of its own loaded on first use; requests choose one by `model`")
+    g.add_argument("--models-preset", type=Path, default=None, metavar="FILE",
+                   help="router mode: llama-server's INI presets, a section per model ([*]: all) of serve flags "
+                        "without dashes, and load-on-startup / stop-timeout")
     g.add_argument("--models-max", type=int, default=4, metavar="N",
                    help="router mode: models loaded at once; loading one more unloads the least recently used "
                         "(default 4, 0: no limit)")
@@ -46,6 +51,35 @@ def child_args(argv: list[str]) -> list[str]:
     return out
 
 
+def _serve_flags() -> tuple[argparse.ArgumentParser, dict[str, argparse.Action]]:
+    """The serve command's parser, and its actions by environment variable."""
+    from specserve.cli import build_parser
+    from specserve.cli.serve import env_name
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    return serve, {name: a for a in serve._actions if (name := env_name(a)) is not None}
+
+
+def apply_presets(models: dict[str, ModelEntry], presets: dict[str, ModelPreset]) -> list[str]:
+    """Each model's preset flags ([*] first, then its own section) and stop timeout; sections with `model = PATH`
+    add models. Returns the models to load at start."""
+    common = presets.get("*", ModelPreset())
+    for name, preset in presets.items():
+        if name == "*" or name in models:
+            continue
+        if preset.path is None:
+            raise SpecserveError(f"--models-preset [{name}]: no such model here; give it `model = PATH`")
+        if not preset.path.is_file():
+            raise SpecserveError(f"--models-preset [{name}]: model file not found: {preset.path}")
+        models[name] = ModelEntry(name, preset.path.resolve())
+    for name, entry in models.items():
+        own = presets.get(name, ModelPreset())
+        entry.preset_args = [*common.args, *own.args]
+        entry.stop_timeout = own.stop_timeout or common.stop_timeout or entry.stop_timeout
+    return [name for name in models if presets.get(name, common).load_on_startup]
+
+
 def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
     import uvicorn
 
@@ -58,6 +92,7 @@ def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
     if args.models_max < 0:
         raise SpecserveError(f"--models-max must be 0 (no limit) or more, got {args.models_max}")
     models = find_models(args.models_dir)
+    startup = apply_presets(models, read_presets(args.models_preset, *_serve_flags()) if args.models_preset else {})
     if not models:
         raise SpecserveError(f"--models-dir {args.models_dir}: no GGUF files (and no installed catalog models)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -68,6 +103,7 @@ def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
     env = {k: v for k, v in os.environ.items()
            if not (k.startswith("LLAMA_ARG_MODELS_") or k in ("LLAMA_ARG_MODEL", "LLAMA_ARG_ALIAS"))}
     instances = ModelInstances(models, child_args(args.argv), args.models_max, args.models_autoload, env)
+    instances.load_at_start = startup
     keys = [k.strip() for k in (api_keys or "").split(",") if k.strip()]
     app = create_router_app(instances, keys, webui_on=args.webui)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,

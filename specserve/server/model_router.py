@@ -44,6 +44,8 @@ class ModelEntry:
     exit_code: int | None = None
     ready: asyncio.Event | None = None  # set when a load ends, loaded or failed
     log_path: Path | None = None
+    preset_args: list[str] = field(default_factory=list)  # its --models-preset flags (the command line's win)
+    stop_timeout: float = STOP_TIMEOUT
 
     def listing(self) -> dict[str, object]:
         status: dict[str, object] = {"value": self.status}
@@ -76,6 +78,11 @@ def find_models(models_dir: Path | None, with_catalog: bool = True) -> dict[str,
     return found
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s", task.exception())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,6 +101,8 @@ class ModelInstances:
         self.autoload = autoload
         self.load_timeout = load_timeout
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        self.load_at_start: list[str] = []  # (--models-preset's load-on-startup)
+        self._starting: list[asyncio.Task] = []
 
     def entry(self, name: str) -> ModelEntry:
         if name not in self.models:
@@ -133,11 +142,11 @@ class ModelInstances:
             entry.ready.set()
             raise
         port, entry.key = _free_port(), secrets.token_hex(16)
-        entry.args = ["specserve", "serve", "-m", str(entry.path), "-a", name, *self.child_args]
+        entry.args = ["specserve", "serve", "-m", str(entry.path), "-a", name, *entry.preset_args, *self.child_args]
         entry.url = f"http://127.0.0.1:{port}"
         entry.log_path = Path(tempfile.gettempdir()) / f"specserve-router-{port}.log"
-        cmd = [sys.executable, "-m", "specserve.cli", "serve", "-m", str(entry.path), "-a", name, *self.child_args,
-               "--host", "127.0.0.1", "--port", str(port), "--api-key", entry.key]
+        cmd = [sys.executable, "-m", "specserve.cli", *entry.args[1:], "--host", "127.0.0.1", "--port", str(port),
+               "--api-key", entry.key]
         log.info("loading %s: %s", name, " ".join(entry.args))
         with open(entry.log_path, "w") as out:  # the child keeps its own copy of the descriptor
             entry.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.child_env)
@@ -196,7 +205,7 @@ class ModelInstances:
             entry.exit_code = proc.returncode if proc is not None else None
             return
         proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT
+        deadline = time.monotonic() + entry.stop_timeout
         while proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if proc.poll() is None:
@@ -209,6 +218,13 @@ class ModelInstances:
         for entry in self.models.values():
             if entry.status == "loaded" and entry.proc is not None and entry.proc.poll() is not None:
                 entry.status, entry.failed, entry.exit_code, entry.proc = "unloaded", True, entry.proc.returncode, None
+
+    async def start(self) -> None:
+        """Begin the loads asked for at start (their failures are logged and listed, not raised)."""
+        for name in self.load_at_start:
+            task = asyncio.create_task(self.load(name))
+            task.add_done_callback(_log_failure)
+            self._starting.append(task)
 
     async def close(self) -> None:
         for entry in self.models.values():

@@ -47,6 +47,7 @@ def _autoload(request: Request) -> bool | None:
 def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await instances.start()
         try:
             yield
         finally:
