@@ -203,3 +203,19 @@ def test_bad_cache_types_are_one_line_errors() -> None:
     assert_clean_error(run_cli("serve", "-ctk", "q5_1"), "invalid choice: 'q5_1'")
     assert_clean_error(run_cli("generate", "-p", "hi", "-n", "1", "-ctv", "q4_0", "--remote", "unix:/nonexistent"),
                        "-ctk/-ctv")
+
+
+def test_draft_model_has_its_own_types() -> None:
+    """-ctkd/-ctvd give the draft's pool its types; each left out falls back to the target's -ctk/-ctv."""
+    from specserve.cli import build_parser
+    from specserve.cli.args import kv_types_from_args
+    from specserve.engine.loading import load_with_draft
+
+    args = build_parser().parse_args(["generate", "-p", "x", "-ctk", "q8_0", "-ctvd", "q4_0"])
+    assert kv_types_from_args(args) == ("q8_0", None)
+    assert kv_types_from_args(args, draft=True) == ("q8_0", "q4_0")
+    target, draft, _ = load_with_draft("smollm2-135m", "smollm2-135m", n_seqs=1, n_ctx=128, device="cpu",
+                                       progress=False, kv_types=("q8_0", None), draft_kv_types=("f16", "q4_0"))
+    assert draft is not None
+    assert [f.name for f in target.kv.formats] == ["q8_0", "compute"]  # type: ignore[attr-defined]
+    assert [f.name for f in draft.kv.formats] == ["f16", "q4_0"]  # type: ignore[attr-defined]

@@ -69,6 +69,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-min", "--draft-n-min", dest="draft_min", type=int, default=d.n_min)
     g.add_argument("--draft-p-min", type=float, default=d.p_min)
     g.add_argument("-md", "--model-draft", default=None, help="draft model: catalog name or GGUF path")
+    g.add_argument("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k", dest="cache_type_k_draft", default=None,
+                   choices=list(KV_FORMATS), metavar="TYPE", help="the draft model's KV keys (default: as -ctk)")
+    g.add_argument("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v", dest="cache_type_v_draft", default=None,
+                   choices=list(KV_FORMATS), metavar="TYPE", help="the draft model's KV values (default: as -ctv)")
     g.add_argument("-lcs", "--lookup-cache-static", default=None, help="static ngram-cache file (must exist)")
     g.add_argument("-lcd", "--lookup-cache-dynamic", default=None, help="dynamic ngram-cache file (read and updated)")
 
@@ -123,5 +127,10 @@ def remote_from_args(args: argparse.Namespace) -> RemoteOptions | None:
     return RemoteOptions(args.remote, args.remote_token, args.remote_timeout)
 
 
-def kv_types_from_args(args: argparse.Namespace) -> KVTypes:
-    return getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+def kv_types_from_args(args: argparse.Namespace, draft: bool = False) -> KVTypes:
+    """-ctk/-ctv; draft: -ctkd/-ctvd, each falling back to the target's."""
+    target = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    if not draft:
+        return target
+    k, v = getattr(args, "cache_type_k_draft", None), getattr(args, "cache_type_v_draft", None)
+    return k or target[0], v or target[1]

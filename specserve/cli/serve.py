@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 _ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
                   "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
                   "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS", "reasoning_format": "LLAMA_ARG_THINK",
-                  "reasoning_budget": "LLAMA_ARG_THINK_BUDGET"}
+                  "reasoning_budget": "LLAMA_ARG_THINK_BUDGET",
+                  "cache_type_k_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+                  "cache_type_v_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"}
 _NO_ENV = {"spec_replace", "lora"}  # two values a use, or a list of files: no env var, as in llama-server
 
 
@@ -180,7 +182,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict, verbose=args.verbose,
         spec_shared_tokens=args.spec_shared_tokens, core_process=not args.core_in_process, threads=args.threads,
         device=args.device, alias=args.alias,
-        weight_format=args.weight_format, kv_types=kv_types_from_args(args), remote=remote_from_args(args),
+        weight_format=args.weight_format, kv_types=kv_types_from_args(args),
+        draft_kv_types=kv_types_from_args(args, draft=True), remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, responses_store=args.responses_store,
         cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],

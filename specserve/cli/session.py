@@ -48,12 +48,14 @@ class GenerationSession:
     def load(cls, model: str | None, *, sampling: SamplingParams | None = None, spec: SpecParams | None = None,
              draft_model: str | None = None, n_ctx: int | None = None, device: str | None = None,
              progress: bool = True, weight_format: str = "auto", kv_types: KVTypes = (None, None),
+             draft_kv_types: KVTypes | None = None,
              remote: RemoteOptions | None = None, tensor_parallel: int = 1,
              lora: Sequence[tuple[str, float]] = ()) -> GenerationSession:
         """lora: (adapter file, scale) pairs, as --lora / --lora-scaled give them."""
         check_adapter_files(path for path, _ in lora)
         runner, draft_runner, _ = load_with_draft(model, draft_model, remote=remote, n_ctx=n_ctx, device=device,
                                                   progress=progress, weight_format=weight_format, kv_types=kv_types,
+                                                  draft_kv_types=draft_kv_types,
                                                   tensor_parallel=tensor_parallel, adapters=[p for p, _ in lora])
         scales = tuple(scale for _, scale in lora)
         return cls(runner, Tokenizer.from_gguf(model_file(runner)), sampling or SamplingParams(),
@@ -64,6 +66,7 @@ class GenerationSession:
         return cls.load(args.model, sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
                         draft_model=args.model_draft, n_ctx=args.ctx_size, device=args.device,
                         weight_format=args.weight_format, kv_types=kv_types_from_args(args),
+                        draft_kv_types=kv_types_from_args(args, draft=True),
                         remote=remote_from_args(args),
                         tensor_parallel=tensor_parallel_from_args(args), lora=getattr(args, "lora", ()))
 

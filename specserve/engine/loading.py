@@ -14,6 +14,7 @@ from specserve.engine.runner import Runner, model_file
 from specserve.engine.tp_runner import start_tensor_parallel
 from specserve.errors import NotSupported
 from specserve.gguf.vocab_check import check_vocab_compatible
+from specserve.kernels.kv_format import KVTypes
 from specserve.remote.client import RemoteRunner
 from specserve.remote.protocol import STEP_TIMEOUT
 
@@ -27,15 +28,17 @@ class RemoteOptions:
 
 def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptions | None = None,
                     tensor_parallel: int = 1, adapters: Sequence[str | Path] = (),
-                    **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
+                    draft_kv_types: KVTypes | None = None, **runner_args: Any) -> tuple[Runner, Runner | None, Path]:
     """The target's runner, the draft's if a draft model is given (same settings, context and KV size,
     vocabulary checked against the target's), and the target's path (on the host, for a remote one).
     tensor_parallel > 1: the target split over that many ranks (tp_runner.py); the draft runs on rank 0 alone.
-    adapters: LoRA adapter files for the target (a local runner on one device only)."""
+    adapters: LoRA adapter files for the target (a local runner on one device only). draft_kv_types: the draft's
+    -ctkd/-ctvd (None: the target's kv_types)."""
     if adapters and (remote is not None or tensor_parallel > 1):
         raise NotSupported("LoRA adapters (--lora) need the model on this machine's one device: not with --remote "
                            "or --tensor-parallel")
-    if runner_args.get("kv_types", (None, None)) != (None, None) and (remote is not None or tensor_parallel > 1):
+    typed = {runner_args.get("kv_types", (None, None)), draft_kv_types or (None, None)} != {(None, None)}
+    if typed and (remote is not None or tensor_parallel > 1):
         raise NotSupported("-ctk/-ctv (KV cache types) need the model on this machine: not with --remote or "
                            "--tensor-parallel")
     if remote is not None:
@@ -45,7 +48,10 @@ def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptio
                            else LocalRunner(path, adapters=adapters, **runner_args))
     if draft is None:
         return runner, None, path
-    draft_runner = LocalRunner(catalog.resolve(draft), **{**runner_args, "n_ctx": runner.n_ctx})
+    draft_args = {**runner_args, "n_ctx": runner.n_ctx}
+    if draft_kv_types is not None:
+        draft_args["kv_types"] = draft_kv_types
+    draft_runner = LocalRunner(catalog.resolve(draft), **draft_args)
     check_vocab_compatible(model_file(runner).metadata, model_file(draft_runner).metadata)
     return runner, draft_runner, path
 

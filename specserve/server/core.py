@@ -90,6 +90,7 @@ def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner,
                                                  n_ctx=ctx, kv_size=ctx or settings.default_kv_size(),
                                                  device=settings.device, progress=progress,
                                                  weight_format=settings.weight_format, kv_types=settings.kv_types,
+                                                 draft_kv_types=settings.draft_kv_types,
                                                  tensor_parallel=settings.tensor_parallel, mmap=settings.mmap,
                                                  adapters=[path for path, _ in settings.lora])
     build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache

@@ -39,6 +39,7 @@ class ServerSettings:
     device: str | None = None
     weight_format: str = "auto"  # see specserve.model.weights.WEIGHT_FORMATS
     kv_types: KVTypes = (None, None)  # -ctk, -ctv (kernels/kv_format.py; None: the compute dtype)
+    draft_kv_types: KVTypes = (None, None)  # -ctkd, -ctvd
     remote: RemoteOptions | None = None  # run the model on a remote host
     tensor_parallel: int = 1  # ranks the model is split over (engine/tp_runner.py)
     alias: str | None = None  # names the API shows and accepts, comma-separated (the first is shown)
