@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -85,27 +85,25 @@ def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: 
             return name, _unknown(name)
         return name, None
 
-    @app.post("/models/load")
-    async def load(request: Request) -> Response:
+    async def on_model(request: Request, action: Callable[[str], Awaitable[object]]) -> Response:
         name, error = await _named(request)
         if error is not None:
             return error
         try:
-            await instances.load(name)
-        except RuntimeError as exc:
+            await action(name)
+        except LookupError as exc:  # (unload: not loaded)
+            return error_response(400, str(exc))
+        except RuntimeError as exc:  # (load: its server failed to start)
             return error_response(500, str(exc))
         return JSONResponse({"success": True})
 
+    @app.post("/models/load")
+    async def load(request: Request) -> Response:
+        return await on_model(request, instances.load)
+
     @app.post("/models/unload")
     async def unload(request: Request) -> Response:
-        name, error = await _named(request)
-        if error is not None:
-            return error
-        try:
-            await instances.unload(name)
-        except LookupError as exc:
-            return error_response(400, str(exc))
-        return JSONResponse({"success": True})
+        return await on_model(request, instances.unload)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "OPTIONS"])
     async def forward(request: Request, path: str) -> Response:
