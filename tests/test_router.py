@@ -31,6 +31,7 @@ def models_dir(smollm_path: Path, tmp_path_factory) -> Path:
     (d / "beta").mkdir()
     (d / "beta" / "beta-q4_1.gguf").symlink_to(smollm_path)
     (d / "notes.txt").write_text("not a model")
+    (d / "broken.gguf").write_text("this is not a GGUF file")  # listed; its load fails
     return d
 
 
@@ -181,3 +182,15 @@ def test_loads_on_request_and_serves_while_another_loads(manual: ServerProcess) 
     assert statuses(manual)["alpha"] == "unloaded"
     r = manual.post("/models/unload", {"model": "alpha"})
     assert r.status_code == 400 and "not loaded" in r.json()["error"]["message"]
+
+
+def test_a_model_that_fails_to_load(manual: ServerProcess) -> None:
+    """A file that is no model: its load is a 500 naming the failure, it is listed unloaded and failed, and the
+    other models go on answering."""
+    r = manual.post("/models/load", {"model": "broken"}, timeout=300)
+    assert r.status_code == 500 and "broken" in r.json()["error"]["message"]
+    listed = {m["id"]: m["status"] for m in manual.get("/v1/models").json()["data"]}
+    assert listed["broken"]["value"] == "unloaded" and listed["broken"]["failed"] is True
+    assert listed["broken"]["exit_code"] not in (None, 0)
+    r = manual.post("/v1/completions?autoload=true", {"model": "beta", "prompt": PROMPT, "n_predict": 2})
+    assert r.status_code == 200

@@ -31,19 +31,21 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr)
     """Keys or values [BLOCK, HEAD_DIM] whose rows start at `rows` (storage elements): float rows as stored
     (BITS 0), packed q8_0 / q4_0 rows (kernels/kv_format.py) decoded to fp32."""
     if BITS == 0:
-        return tl.load(c_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-    n_code: tl.constexpr = HEAD_DIM * BITS // 8
-    # each value reads its group's fp16 scale (32 neighbours share an address, served from cache)
-    scale_at = (c_ptr + rows[:, None] + n_code + (d[None, :] // 32) * 2).to(tl.pointer_type(tl.float16))
-    scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)
-    if BITS == 8:
-        codes = tl.load((c_ptr + rows[:, None] + d[None, :]).to(tl.pointer_type(tl.int8)), mask=mask[:, None],
-                        other=0).to(tl.float32)
-    else:  # value j is the low nibble of byte j, value j + HEAD_DIM / 2 its high nibble
-        half: tl.constexpr = HEAD_DIM // 2
-        byte = tl.load(c_ptr + rows[:, None] + d[None, :] % half, mask=mask[:, None], other=0).to(tl.int32)
-        codes = ((byte >> ((d[None, :] // half) * 4)) & 15).to(tl.float32) - 8.0
-    return codes * scale
+        out = tl.load(c_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    else:
+        n_code: tl.constexpr = HEAD_DIM * BITS // 8
+        # each value reads its group's fp16 scale (32 neighbours share an address, served from cache)
+        scale_at = (c_ptr + rows[:, None] + n_code + (d[None, :] // 32) * 2).to(tl.pointer_type(tl.float16))
+        scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)
+        if BITS == 8:
+            codes = tl.load((c_ptr + rows[:, None] + d[None, :]).to(tl.pointer_type(tl.int8)), mask=mask[:, None],
+                            other=0).to(tl.float32)
+        else:  # value j is the low nibble of byte j, value j + HEAD_DIM / 2 its high nibble
+            half: tl.constexpr = HEAD_DIM // 2
+            byte = tl.load(c_ptr + rows[:, None] + d[None, :] % half, mask=mask[:, None], other=0).to(tl.int32)
+            codes = ((byte >> ((d[None, :] // half) * 4)) & 15).to(tl.float32) - 8.0
+        out = codes * scale
+    return out
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Triton: rows of K or V encoded into a packed q8_0 / q4_0 cache (kernels/kv_format.py) at their pool slots, one
 program per (token, kv head), rounding as KVFormat.encode does (the scale rounded to fp16 first; q8_0 codes to the
-nearest, ties to even; q4_0 floor(x / scale + 8.5)). rope.rope_and_cache runs the RoPE kernel into a staging tensor
-and then this, two launches a layer instead of the reference's dozen small ops."""
+nearest, ties to even through libdevice's rint; q4_0 floor(x / scale + 8.5)). rope.rope_and_cache runs the RoPE
+kernel into a staging tensor and then this: two launches a layer instead of the reference's dozen small ops."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from specserve.kernels.kv_format import GROUP, format_of
 def _scales(x, BITS: tl.constexpr):
     """x [groups, 32] fp32 -> (fp16 scales [groups], fp32 1/scale, 0 where the scale is)."""
     if BITS == 8:
-        scale = libdevice.div_rn(tl.max(tl.abs(x), axis=1), 127.0).to(tl.float16)
+        scale = (tl.max(tl.abs(x), axis=1) / 127.0).to(tl.float16)
     else:  # the value of largest magnitude (the first of equals) maps to -8
         at = tl.argmax(tl.abs(x), axis=1, tie_break_left=True)
         picked = tl.sum(tl.where(tl.arange(0, 32)[None, :] == at[:, None], x, 0.0), axis=1)
-        scale = (libdevice.div_rn(picked, -8.0) + 0.0).to(tl.float16)
+        scale = (picked / -8.0 + 0.0).to(tl.float16)
     s = scale.to(tl.float32)
-    # (IEEE divisions, as torch's: Triton's own `/` on fp32 may round differently)
-    return scale, tl.where(s == 0.0, 0.0, libdevice.div_rn(1.0, tl.where(s == 0.0, 1.0, s)))
+    # (`/` on fp32 is IEEE division, as torch's; tl.fdiv would be the approximate one)
+    return scale, tl.where(s == 0.0, 0.0, 1.0 / tl.where(s == 0.0, 1.0, s))
 
 
 @triton.jit
