@@ -13,14 +13,16 @@ from typing import Any
 import httpx
 import pytest
 
+from specserve.cli import build_parser
 from specserve.cli.model_presets import read_presets
-from specserve.cli.serve_router import _serve_flags, apply_presets, child_args
+from specserve.cli.serve_router import apply_presets, child_args, serve_flags
 from specserve.errors import SpecserveError
 from specserve.server.model_router import find_models
 from tests.server_utils import ServerProcess, served
 from tests.test_webui import browser  # noqa: F401 - the fixture
 
 PROMPT = "def fibonacci(n):"
+SERVE_FLAGS = serve_flags(build_parser().parse_args(["serve"]).serve_parser)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ def test_presets_become_flags(models_dir: Path, smollm_path: Path, tmp_path: Pat
     ini = tmp_path / "models.ini"
     ini.write_text(PRESET.format(path=smollm_path) + "[alpha]\nwebui = false\nload-on-startup = true\n")
     models = find_models(models_dir, with_catalog=False)
-    startup = apply_presets(models, read_presets(ini, *_serve_flags()))
+    startup = apply_presets(models, read_presets(ini, *SERVE_FLAGS))
     assert startup == ["alpha"]
     assert models["gamma"].path == smollm_path.resolve() and models["gamma"].stop_timeout == 2
     assert models["gamma"].preset_args == ["--n-predict", "3", "--metrics", "--ctx-size", "256"]
@@ -139,7 +141,7 @@ def test_presets_become_flags(models_dir: Path, smollm_path: Path, tmp_path: Pat
                      ("[*]\nmetrics = maybe\n", "true or false"), ("[zeta]\nc = 9\n", "model = PATH")):
         ini.write_text(bad)
         with pytest.raises(SpecserveError, match=why):
-            apply_presets(find_models(models_dir, with_catalog=False), read_presets(ini, *_serve_flags()))
+            apply_presets(find_models(models_dir, with_catalog=False), read_presets(ini, *SERVE_FLAGS))
 
 
 @pytest.fixture(scope="module")

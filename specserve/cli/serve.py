@@ -9,35 +9,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specserve.cli.serve_flags import add_llama_server_flags, llama_server_settings, parse_env_bool
+from specserve.cli.serve_flags import add_llama_server_flags, env_name, llama_server_settings, parse_env_bool
 from specserve.cli.serve_router import add_router_args
 from specserve.errors import SpecserveError
 from specserve.speculative.shared_suffix import DEFAULT_TOKENS
 
 if TYPE_CHECKING:
     from specserve.server.settings import ServerSettings
-
-# llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
-_ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
-                  "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
-                  "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS", "reasoning_format": "LLAMA_ARG_THINK",
-                  "reasoning_budget": "LLAMA_ARG_THINK_BUDGET",
-                  "cache_type_k_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
-                  "cache_type_v_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"}
-_NO_ENV = {"spec_replace", "lora"}  # two values a use, or a list of files: no env var, as in llama-server
-
-
-def env_name(action: argparse.Action) -> str | None:
-    # A flag's negation (--no-mmap) shares its dest and env var with the flag (serve_flags._pair).
-    if action.dest in _NO_ENV or isinstance(action, argparse._StoreFalseAction):
-        return None
-    if action.dest in _ENV_OVERRIDES:
-        return _ENV_OVERRIDES[action.dest]
-    longs = [o for o in action.option_strings if o.startswith("--")]
-    if not longs or action.dest == "help":
-        return None
-    return "LLAMA_ARG_" + longs[0][2:].upper().replace("-", "_")
-
 
 def _apply_env(parser: argparse.ArgumentParser) -> None:
     """Every flag reads its env var; a flag on the command line wins.
@@ -140,7 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     add_spec_args(p)
     _apply_env(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, serve_parser=p)  # (router mode reads --models-preset keys against it)
 
 
 def api_keys(args: argparse.Namespace) -> str | None:

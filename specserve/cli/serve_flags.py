@@ -18,6 +18,28 @@ log = logging.getLogger(__name__)
 _TRUE, _FALSE = {"1", "true", "on", "enabled"}, {"0", "false", "off", "disabled"}
 
 
+# llama-server's env names where they differ from LLAMA_ARG_<first long flag>.
+_ENV_OVERRIDES = {"parallel": "LLAMA_ARG_N_PARALLEL", "api_key": "LLAMA_API_KEY", "batch_size": "LLAMA_ARG_BATCH",
+                  "direct_io": "LLAMA_ARG_DIO", "endpoint_slots": "LLAMA_ARG_ENDPOINT_SLOTS",
+                  "endpoint_metrics": "LLAMA_ARG_ENDPOINT_METRICS", "reasoning_format": "LLAMA_ARG_THINK",
+                  "reasoning_budget": "LLAMA_ARG_THINK_BUDGET",
+                  "cache_type_k_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+                  "cache_type_v_draft": "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"}
+_NO_ENV = {"spec_replace", "lora"}  # two values a use, or a list of files: no env var, as in llama-server
+
+
+def env_name(action: argparse.Action) -> str | None:
+    # A flag's negation (--no-mmap) shares its dest and env var with the flag (_pair below).
+    if action.dest in _NO_ENV or isinstance(action, argparse._StoreFalseAction):
+        return None
+    if action.dest in _ENV_OVERRIDES:
+        return _ENV_OVERRIDES[action.dest]
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs or action.dest == "help":
+        return None
+    return "LLAMA_ARG_" + longs[0][2:].upper().replace("-", "_")
+
+
 def parse_env_bool(name: str, value: str) -> bool:
     low = value.strip().lower()
     if low in _TRUE | _FALSE:

@@ -51,13 +51,10 @@ def child_args(argv: list[str]) -> list[str]:
     return out
 
 
-def _serve_flags() -> tuple[argparse.ArgumentParser, dict[str, argparse.Action]]:
+def serve_flags(serve: argparse.ArgumentParser) -> tuple[argparse.ArgumentParser, dict[str, argparse.Action]]:
     """The serve command's parser, and its actions by environment variable."""
-    from specserve.cli import build_parser
-    from specserve.cli.serve import env_name
+    from specserve.cli.serve_flags import env_name
 
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    serve = commands.choices["serve"]
     return serve, {name: a for a in serve._actions if (name := env_name(a)) is not None}
 
 
@@ -92,7 +89,8 @@ def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
     if args.models_max < 0:
         raise SpecserveError(f"--models-max must be 0 (no limit) or more, got {args.models_max}")
     models = find_models(args.models_dir)
-    startup = apply_presets(models, read_presets(args.models_preset, *_serve_flags()) if args.models_preset else {})
+    presets = read_presets(args.models_preset, *serve_flags(args.serve_parser)) if args.models_preset else {}
+    startup = apply_presets(models, presets)
     if not models:
         raise SpecserveError(f"--models-dir {args.models_dir}: no GGUF files (and no installed catalog models)")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
