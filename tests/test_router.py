@@ -19,7 +19,7 @@ from specserve.cli.serve_router import apply_presets, child_args, serve_flags
 from specserve.errors import SpecserveError
 from specserve.server.model_router import find_models
 from tests.server_utils import ServerProcess, served
-from tests.test_webui import browser  # noqa: F401 - the fixture
+from tests.test_webui import chromium
 
 PROMPT = "def fibonacci(n):"
 SERVE_FLAGS = serve_flags(build_parser().parse_args(["serve"]).serve_parser)
@@ -91,11 +91,15 @@ def test_errors_are_error_bodies(router: ServerProcess) -> None:
     assert r.status_code == 404
 
 
-def test_page_picks_a_model(router: ServerProcess, request: pytest.FixtureRequest) -> None:
+def test_page_picks_a_model(router: ServerProcess) -> None:
     """The chat page on a router: after the key, a picker of the folder's models; the picked one loads and
     answers a message (its name shown as the page's model)."""
-    chromium: Any = request.getfixturevalue("browser")  # test_webui's: Debian's chromium, or a skip saying why
-    page = chromium.new_page(viewport={"width": 1200, "height": 800})
+    with chromium() as browser:
+        _pick_and_chat(router, browser)
+
+
+def _pick_and_chat(router: ServerProcess, browser: Any) -> None:
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(router.url + "/")

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,10 @@ def _install_chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def browser() -> Iterator[Any]:
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's chromium under Playwright (skips the test, saying why, where it cannot be had). Playwright's sync
+    API runs an event loop while open: close it before tests that start their own (asyncio.run)."""
     why = _install_chromium()
     if why is not None:
         pytest.skip(f"no browser for the chat page test: {why}")
@@ -71,6 +74,12 @@ def browser() -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium() as b:
+        yield b
 
 
 @pytest.fixture(scope="module")
