@@ -132,7 +132,7 @@ def fuzz_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield address
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(frames=st.lists(requests(), min_size=1, max_size=12))
 def test_generated_command_sequences(fuzz_host: str, frames: list[bytes]) -> None:
     """Well-formed frames with arbitrary values: every one answered (ok or refused), the host unharmed."""
