@@ -23,6 +23,7 @@ import httpx
 
 from specserve import catalog
 from specserve.errors import SpecserveError
+from specserve.gguf.reader import GGUFFile
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT = 10.0  # seconds a stopped model's process has to drain before it is killed
@@ -136,10 +137,14 @@ class ModelInstances:
         entry.status, entry.failed, entry.exit_code = "loading", False, None  # (before any await: one load a model)
         entry.ready = asyncio.Event()
         try:
+            # a file that is no model fails here, before --models-max unloads another for it
+            await asyncio.to_thread(GGUFFile, entry.path)
             await self._make_room(entry)
-        except BaseException:
-            entry.status = "unloaded"
+        except BaseException as exc:
+            entry.status, entry.failed = "unloaded", isinstance(exc, SpecserveError)
             entry.ready.set()
+            if isinstance(exc, SpecserveError):
+                raise RuntimeError(f"model '{name}' cannot load: {exc}") from None
             raise
         port, entry.key = _free_port(), secrets.token_hex(16)
         entry.args = ["specserve", "serve", "-m", str(entry.path), "-a", name, *entry.preset_args, *self.child_args]
