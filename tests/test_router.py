@@ -202,3 +202,42 @@ def test_a_model_that_fails_to_load(manual: ServerProcess) -> None:
                                                                            if k != "broken"}
     r = manual.post("/v1/completions?autoload=true", {"model": "beta", "prompt": PROMPT, "n_predict": 2})
     assert r.status_code == 200
+
+
+def test_models_end_with_a_killed_router(models_dir: Path) -> None:
+    """A router killed outright (SIGKILL, no shutdown) leaves no model server behind."""
+    import os
+    import re
+    import signal
+
+    srv = ServerProcess("--models-dir", str(models_dir), "--device", "cpu", "-np", "1", "-c", "256")
+    try:
+        srv.wait_ready()
+        assert completion(srv, "alpha").status_code == 200
+        port = re.search(r"alpha loaded \(http://127\.0\.0\.1:(\d+)\)", srv.log()).group(1)  # type: ignore[union-attr]
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and
+                    f"--port\0{port}\0".encode() in _cmdline(int(p))]
+        assert len(children) == 1
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(children[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(children[0])
+    finally:
+        srv.stop()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a reaped-later child of a dead parent is reparented and reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

@@ -184,7 +184,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server import listen
     from specserve.server.app import create_app
     from specserve.server.lifecycle import GracefulServer
+    from specserve.server.model_router import end_with_parent
 
+    end_with_parent()  # (a model's server under a router)
     if args.models_dir is not None or args.models_preset is not None:
         from specserve.cli.serve_router import run_router
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +29,8 @@ from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+PARENT_ENV = "SPECSERVE_ROUTER_PID"  # set for a model's server: the router it must not outlive
 STOP_TIMEOUT = 10.0  # seconds a stopped model's process has to drain before it is killed
 
 
@@ -77,6 +82,18 @@ def find_models(models_dir: Path | None, with_catalog: bool = True) -> dict[str,
             if row["installed"] and name not in found:
                 found[name] = ModelEntry(name, Path(str(row["path"])))
     return found
+
+
+def end_with_parent() -> None:
+    """(In a model's server, at start.) Where the router set PARENT_ENV: on Linux, SIGTERM when the router dies,
+    even by SIGKILL, so no model's server outlives it holding its memory; a router already gone ends it now."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        raise SystemExit(0)
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -154,7 +171,8 @@ class ModelInstances:
                "--api-key", entry.key]
         log.info("loading %s: %s", name, " ".join(entry.args))
         with open(entry.log_path, "w") as out:  # the child keeps its own copy of the descriptor
-            entry.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.child_env)
+            env = {**(self.child_env if self.child_env is not None else os.environ), PARENT_ENV: str(os.getpid())}
+            entry.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             await self._wait_healthy(entry)
             entry.status = "loaded"
