@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from specserve.kernels.cpu import build
-from specserve.kernels.kv_format import format_of
+from specserve.kernels.kv_format import FORMATS
 
 
 def _lib() -> ctypes.CDLL:
@@ -81,20 +81,29 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     return out
 
 
-def _cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int]:
+def _row_bits(cache: torch.Tensor, dim: int) -> int | None:
+    """0 for fp32 rows of dim values, 8 or 4 for packed q8_0 / q4_0 rows (cpu/kv_rows.h), None for rows the C code
+    does not read."""
+    if cache.dtype == torch.float32:  # (first: the default pool, on every call of a step)
+        return 0 if cache.shape[3] == dim else None
+    if cache.dtype != torch.uint8 or dim % 32:
+        return None
+    fmt = next((f for f in FORMATS.values() if f.packed and f.row_width(dim) == cache.shape[3]), None)
+    return None if fmt is None else fmt.code_bits
+
+
+def _cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int | None]:
     """(data, block stride, head stride, bits) of a layer's cache, as cpu/ops.c's kv_cache."""
-    return cache.data_ptr(), cache.stride(0), cache.stride(1), format_of(cache, dim).code_bits
+    return cache.data_ptr(), cache.stride(0), cache.stride(1), _row_bits(cache, dim)
 
 
 def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
     """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), row], contiguous
-    CPU tensors of fp32 rows of dim values or packed rows (cpu/kv_rows.h)."""
-    def rows(c: torch.Tensor) -> bool:
-        width = dim if c.dtype == torch.float32 else format_of(c, dim).row_width(dim) if c.dtype == torch.uint8 else -1
-        return c.device.type == "cpu" and c.is_contiguous() and c.shape[3] == width
-
+    CPU tensors of fp32 rows of dim values or packed rows."""
     size = k_cache.shape[2]
-    return rows(k_cache) and rows(v_cache) and k_cache.shape[:3] == v_cache.shape[:3] and size & (size - 1) == 0
+    return (k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and _row_bits(k_cache, dim) is not None and _row_bits(v_cache, dim) is not None
+            and k_cache.shape[:3] == v_cache.shape[:3] and size & (size - 1) == 0)
 
 
 def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
