@@ -80,6 +80,18 @@ def test_streams_pass_through(router: ServerProcess) -> None:
     assert any(e["choices"] and e["choices"][0]["delta"].get("content") for e in events[:-1])
 
 
+def test_cors_from_the_router(router: ServerProcess) -> None:
+    """The router answers preflights (no model, no key in them) and gives forwarded answers one CORS header."""
+    origin = {"Origin": "http://example.test"}
+    pre = httpx.options(router.url + "/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                                  "Access-Control-Request-Headers": "authorization"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", origin["Origin"])
+    r = router.post("/v1/completions", {"model": "beta", "prompt": PROMPT, "n_predict": 2}, headers=origin,
+                    timeout=300)
+    assert r.status_code == 200
+    assert len(r.headers.get_list("access-control-allow-origin")) == 1
+
+
 def test_errors_are_error_bodies(router: ServerProcess) -> None:
     r = completion(router, "gamma")
     assert r.status_code == 404 and "gamma" in r.json()["error"]["message"]

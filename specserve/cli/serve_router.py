@@ -103,7 +103,8 @@ def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
     instances = ModelInstances(models, child_args(args.argv), args.models_max, args.models_autoload, env)
     instances.load_at_start = startup
     keys = [k.strip() for k in (api_keys or "").split(",") if k.strip()]
-    app = create_router_app(instances, keys, webui_on=args.webui)
+    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+    app = create_router_app(instances, keys, webui_on=args.webui, cors_origins=origins)
     config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, loop="asyncio")
     print(f"specserve: router on {', '.join(listen.urls(hosts, args.port))} over {len(models)} model(s): "

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -44,7 +45,8 @@ def _autoload(request: Request) -> bool | None:
     return None if value is None else value.lower() in ("1", "true", "on", "yes")
 
 
-def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: bool = True) -> FastAPI:
+def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: bool = True,
+                      cors_origins: list[str] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await instances.start()
@@ -64,6 +66,10 @@ def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: 
         allowed = not api_keys or path in PUBLIC or (webui_on and webui.is_page_path(path)) or any(
             [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys])
         return await call_next(request) if allowed else error_response(401, "Invalid API Key", path=request.url.path)
+
+    if cors_origins:  # outermost: preflights name no model and carry no key; the router answers them itself
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -147,6 +153,8 @@ async def _send(instances: ModelInstances, entry: ModelEntry, request: Request, 
     except httpx.TransportError as exc:  # its process ended under the request
         instances.check_crashed()
         return error_response(502, f"model '{entry.id}' did not answer: {exc}", path=request.url.path)
-    out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+    # (the model's own CORS headers go: the router adds its own, and a browser refuses two)
+    out_headers = {k: v for k, v in upstream.headers.items()
+                   if k.lower() not in HOP_HEADERS and not k.lower().startswith("access-control-")}
     return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out_headers,
                              background=BackgroundTask(upstream.aclose))
