@@ -216,28 +216,23 @@ def test_a_model_that_fails_to_load(manual: ServerProcess) -> None:
     assert r.status_code == 200
 
 
-def test_models_end_with_a_killed_router(models_dir: Path) -> None:
-    """A router killed outright (SIGKILL, no shutdown) leaves no model server behind."""
+def test_models_end_with_a_killed_router(manual: ServerProcess) -> None:
+    """A router killed outright (SIGKILL, no shutdown) leaves no model server behind. (Last: it ends `manual`.)"""
     import os
     import re
     import signal
 
-    srv = ServerProcess("--models-dir", str(models_dir), "--device", "cpu", "-np", "1", "-c", "256")
-    try:
-        srv.wait_ready()
-        assert completion(srv, "alpha").status_code == 200
-        port = re.search(r"alpha loaded \(http://127\.0\.0\.1:(\d+)\)", srv.log()).group(1)  # type: ignore[union-attr]
-        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and
-                    f"--port\0{port}\0".encode() in _cmdline(int(p))]
-        assert len(children) == 1
-        os.kill(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(10)
-        deadline = time.monotonic() + 20
-        while _alive(children[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(children[0])
-    finally:
-        srv.stop()
+    name = next(m for m, status in statuses(manual).items() if status == "loaded")
+    port = re.findall(rf"{name} loaded \(http://127\.0\.0\.1:(\d+)\)", manual.log())[-1]
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and
+                f"--port\0{port}\0".encode() in _cmdline(int(p))]
+    assert len(children) == 1
+    os.kill(manual.proc.pid, signal.SIGKILL)
+    manual.proc.wait(10)
+    deadline = time.monotonic() + 20
+    while _alive(children[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(children[0])
 
 
 def _cmdline(pid: int) -> bytes:
