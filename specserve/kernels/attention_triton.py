@@ -33,17 +33,18 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr)
     if BITS == 0:
         out = tl.load(c_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
     else:
-        n_code: tl.constexpr = HEAD_DIM * BITS // 8
-        # each value reads its group's fp16 scale (32 neighbours share an address, served from cache)
-        scale_at = (c_ptr + rows[:, None] + n_code + (d[None, :] // 32) * 2).to(tl.pointer_type(tl.float16))
+        # each value reads its group's fp16 scale, after the row's HEAD_DIM * BITS / 8 code bytes (32 neighbours
+        # share an address, served from cache)
+        scale_at = (c_ptr + rows[:, None] + HEAD_DIM * BITS // 8 + (d[None, :] // 32) * 2).to(
+            tl.pointer_type(tl.float16))
         scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)
         if BITS == 8:
             codes = tl.load((c_ptr + rows[:, None] + d[None, :]).to(tl.pointer_type(tl.int8)), mask=mask[:, None],
                             other=0).to(tl.float32)
         else:  # value j is the low nibble of byte j, value j + HEAD_DIM / 2 its high nibble
-            half: tl.constexpr = HEAD_DIM // 2
-            byte = tl.load(c_ptr + rows[:, None] + d[None, :] % half, mask=mask[:, None], other=0).to(tl.int32)
-            codes = ((byte >> ((d[None, :] // half) * 4)) & 15).to(tl.float32) - 8.0
+            byte = tl.load(c_ptr + rows[:, None] + d[None, :] % (HEAD_DIM // 2), mask=mask[:, None],
+                           other=0).to(tl.int32)
+            codes = ((byte >> ((d[None, :] // (HEAD_DIM // 2)) * 4)) & 15).to(tl.float32) - 8.0
         out = codes * scale
     return out
 
