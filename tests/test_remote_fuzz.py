@@ -76,6 +76,7 @@ def mutate(rng: random.Random, frame: bytes) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow  # (~22 s: the default run stays under its 15 minutes; test_generated_command_sequences stays)
 def test_mutated_frames_each_get_a_reply_and_the_host_keeps_serving(tmp_path: Path) -> None:
     rng = random.Random(20261201)
     with host_thread(f"unix:{tmp_path / 'f.sock'}") as address:
