@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.server.tool_calls import (
-    FORMATS,
     ArgumentsDelta,
     CallStart,
     ContentDelta,
@@ -24,6 +23,7 @@ from specserve.server.tool_calls import (
     parse,
 )
 from specserve.server.tool_grammar import call_grammar, validate_tools
+from specserve.server.tool_scanners import FORMATS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object", "properties": {

@@ -24,15 +24,9 @@ from specserve.engine.constraints import GrammarSource
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.server import generic_tools
 from specserve.server.schemas import ChatTemplateFields
-from specserve.server.tool_calls import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
-    MISTRAL_ARGS,
-    MISTRAL_CALLS,
-    PYTHON_TAG,
-    detect_format,
-)
+from specserve.server.tool_calls import detect_format
 from specserve.server.tool_grammar import call_grammar
+from specserve.server.tool_scanners import HERMES_CLOSE, HERMES_OPEN, MISTRAL_ARGS, MISTRAL_CALLS, PYTHON_TAG
 
 # The markers each format's parser reads: when the vocabulary has them as control tokens, the decoder must keep
 # their text (it leaves control tokens out of answers). The first is the one a forced call opens with.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specserve.server.tool_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_CALLS, check_format
+from specserve.server.tool_scanners import HERMES_CLOSE, HERMES_OPEN, MISTRAL_CALLS, check_format
 
 # The same JSON whitespace as specserve.engine.constraints.JSON_WHITESPACE (not imported: that module loads
 # torch): unlimited whitespace lets a small model pad forever instead of finishing the call.
