@@ -12,9 +12,9 @@ import configparser
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve.cli.serve_flags import parse_bool
 from specserve.errors import SpecserveError
 
-TRUE, FALSE = ("1", "true", "on", "yes", "enabled"), ("0", "false", "off", "no", "disabled")
 ROUTER_KEYS = ("load-on-startup", "stop-timeout", "model")
 NOT_IN_PRESETS = {"--host", "--port", "--api-key", "--api-key-file", "--models-dir", "--models-max",
                   "--models-preset", "--models-autoload", "--no-models-autoload", "--alias"}
@@ -49,10 +49,7 @@ def _section_args(section: configparser.SectionProxy, parser: argparse.ArgumentP
         if option in NOT_IN_PRESETS or action.dest in ("model", "help"):
             raise SpecserveError(f"--models-preset: '{key}' is the router's own, not a model's")
         if action.nargs == 0:  # a switch: its flag, or its negation (a --no-... twin sharing its dest)
-            on = value.strip().lower()
-            if on not in TRUE + FALSE:
-                raise SpecserveError(f"--models-preset: '{key} = {value}' takes true or false")
-            if on in TRUE:
+            if parse_bool(f"--models-preset: {key}", value):
                 out.append(option)
             else:
                 twin = next((o for a in parser._actions if a.dest == action.dest and a is not action
@@ -81,10 +78,8 @@ def read_presets(path: Path, parser: argparse.ArgumentParser,
         preset = ModelPreset(_section_args(section, parser, env_of))
         if "model" in section:
             preset.path = Path(section["model"]).expanduser()
-        load = section.get("load-on-startup", "false").strip().lower()
-        if load not in TRUE + FALSE:
-            raise SpecserveError(f"--models-preset [{name}]: load-on-startup takes true or false")
-        preset.load_on_startup = load in TRUE
+        preset.load_on_startup = parse_bool(f"--models-preset [{name}]: load-on-startup",
+                                            section.get("load-on-startup", "false"))
         if "stop-timeout" in section:
             try:
                 preset.stop_timeout = float(section["stop-timeout"])

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specserve.cli.serve_flags import add_llama_server_flags, env_name, llama_server_settings, parse_env_bool
+from specserve.cli.serve_flags import add_llama_server_flags, comma_list, env_name, llama_server_settings, parse_bool
 from specserve.cli.serve_router import add_router_args
 from specserve.errors import SpecserveError
 from specserve.speculative.shared_suffix import DEFAULT_TOKENS
@@ -34,7 +34,7 @@ def _apply_env(parser: argparse.ArgumentParser) -> None:
             continue
         if action.nargs == 0:  # store_true: true/false, 1/0, on/off, enabled/disabled
             try:
-                parser.set_defaults(**{action.dest: parse_env_bool(name, value)})
+                parser.set_defaults(**{action.dest: parse_bool(name, value)})
             except SpecserveError as exc:
                 parser.set_defaults(env_error=str(exc))
         else:
@@ -164,7 +164,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         draft_kv_types=kv_types_from_args(args, draft=True), remote=remote_from_args(args),
         tensor_parallel=tensor_parallel_from_args(args),
         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, responses_store=args.responses_store,
-        cors_origins=[o.strip() for o in args.cors_origins.split(",") if o.strip()],
+        cors_origins=comma_list(args.cors_origins),
         slot_save_path=args.slot_save_path, pooling=args.pooling,
         sampling=sampling_params_from_args(args), spec=spec_params_from_args(args),
         **llama_server_settings(args),
@@ -209,10 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, keys, on_load_error=on_load_error)
-    # asyncio's own loop even where uvloop is installed (the GPU image has it): it measured no gain over httptools
-    # alone (docs/perf.md), and one loop everywhere keeps the server's behaviour alike across machines.
-    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, loop="asyncio")
+    config = listen.uvicorn_config(app, hosts[0], args.port)
     server = GracefulServer(config, app.state.server.admission, args.shutdown_grace)
     print(f"specserve: starting on {', '.join(listen.urls(hosts, args.port))} — loading "
           f"{args.model or 'the default model'} (GET /health says 503 until ready)", file=sys.stderr, flush=True)

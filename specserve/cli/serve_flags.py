@@ -40,7 +40,13 @@ def env_name(action: argparse.Action) -> str | None:
     return "LLAMA_ARG_" + longs[0][2:].upper().replace("-", "_")
 
 
-def parse_env_bool(name: str, value: str) -> bool:
+def comma_list(text: str | None) -> list[str]:
+    """The items of a comma-separated flag value, stripped, empty ones left out."""
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """A boolean as llama-server reads one from its environment (and its presets)."""
     low = value.strip().lower()
     if low in _TRUE | _FALSE:
         return low in _TRUE

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from specserve.cli.model_presets import ModelPreset, read_presets
+from specserve.cli.serve_flags import comma_list
 from specserve.errors import SpecserveError
 from specserve.server.model_router import ModelEntry
 
@@ -102,11 +103,9 @@ def run_router(args: argparse.Namespace, api_keys: str | None) -> int:
            if not (k.startswith("LLAMA_ARG_MODELS_") or k in ("LLAMA_ARG_MODEL", "LLAMA_ARG_ALIAS"))}
     instances = ModelInstances(models, child_args(args.argv), args.models_max, args.models_autoload, env)
     instances.load_at_start = startup
-    keys = [k.strip() for k in (api_keys or "").split(",") if k.strip()]
-    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
-    app = create_router_app(instances, keys, webui_on=args.webui, cors_origins=origins)
-    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, loop="asyncio")
+    app = create_router_app(instances, comma_list(api_keys), webui_on=args.webui,
+                            cors_origins=comma_list(args.cors_origins))
+    config = listen.uvicorn_config(app, hosts[0], args.port)
     print(f"specserve: router on {', '.join(listen.urls(hosts, args.port))} over {len(models)} model(s): "
           f"{', '.join(models)}", file=sys.stderr, flush=True)
     uvicorn.Server(config).run(sockets=sockets)

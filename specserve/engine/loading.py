@@ -37,8 +37,8 @@ def load_with_draft(model: str | None, draft: str | None, *, remote: RemoteOptio
     if adapters and (remote is not None or tensor_parallel > 1):
         raise NotSupported("LoRA adapters (--lora) need the model on this machine's one device: not with --remote "
                            "or --tensor-parallel")
-    typed = {runner_args.get("kv_types", (None, None)), draft_kv_types or (None, None)} != {(None, None)}
-    if typed and (remote is not None or tensor_parallel > 1):
+    kv_types = (*runner_args.get("kv_types", ()), *(draft_kv_types or ()))
+    if any(kv_types) and (remote is not None or tensor_parallel > 1):
         raise NotSupported("-ctk/-ctv (KV cache types) need the model on this machine: not with --remote or "
                            "--tensor-parallel")
     if remote is not None:

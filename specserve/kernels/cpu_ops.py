@@ -20,7 +20,7 @@ import ctypes
 import torch
 
 from specserve.kernels.cpu import build
-from specserve.kernels.kv_format import FORMATS
+from specserve.kernels.kv_format import packed_format
 
 
 def _lib() -> ctypes.CDLL:
@@ -86,9 +86,7 @@ def _row_bits(cache: torch.Tensor, dim: int) -> int | None:
     does not read."""
     if cache.dtype == torch.float32:  # (first: the default pool, on every call of a step)
         return 0 if cache.shape[3] == dim else None
-    if cache.dtype != torch.uint8 or dim % 32:
-        return None
-    fmt = next((f for f in FORMATS.values() if f.packed and f.row_width(dim) == cache.shape[3]), None)
+    fmt = packed_format(cache.shape[3], dim) if cache.dtype == torch.uint8 else None
     return None if fmt is None else fmt.code_bits
 
 

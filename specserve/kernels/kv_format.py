@@ -12,6 +12,7 @@ tables and kernels' row addressing stay what they are for float rows; only the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -102,16 +103,20 @@ def kv_formats(types: KVTypes, head_dim: int) -> tuple[KVFormat, KVFormat]:
     return k, v
 
 
+@cache
+def packed_format(width: int, head_dim: int) -> KVFormat | None:
+    """The packed format whose rows of head_dim values are `width` bytes (q8_0 and q4_0 rows differ in width)."""
+    return next((f for f in FORMATS.values() if f.packed and f.row_width(head_dim) == width), None)
+
+
 def format_of(cache: torch.Tensor, head_dim: int) -> KVFormat:
-    """The format of a pool (or one layer of it) holding rows of head_dim values: packed pools are uint8, and
-    q8_0 and q4_0 rows differ in width."""
+    """The format of a pool (or one layer of it) holding rows of head_dim values: packed pools are uint8."""
     if cache.dtype != torch.uint8:
         return COMPUTE
-    width = cache.shape[-1]
-    found = [f for f in FORMATS.values() if f.packed and f.row_width(head_dim) == width]
-    if not found:
-        raise ValueError(f"a uint8 cache of rows of {width} bytes holds no packed format of {head_dim} values")
-    return found[0]
+    found = packed_format(cache.shape[-1], head_dim)
+    if found is None:
+        raise ValueError(f"a uint8 cache of {cache.shape[-1]}-byte rows holds no packed format of {head_dim} values")
+    return found
 
 
 def store_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:

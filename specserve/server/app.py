@@ -8,7 +8,6 @@ queued in the scheduler, and their events come back through an asyncio queue per
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
 import threading
@@ -29,6 +28,7 @@ from specserve.build_info import build_info
 from specserve.errors import NotSupported, SpecserveError
 from specserve.model.kv_ledger import KVCacheFull
 from specserve.server import metrics, openapi, webui
+from specserve.server.api_keys import key_index
 from specserve.server.builders import (
     Builder,
     build_chat,
@@ -119,12 +119,8 @@ class GateMiddleware(HttpMiddleware):
     def _tenant(self, scope: Scope) -> str | None:
         """Which of the API keys the request gives ("key<i>"); None: none of them."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        given = headers.get("x-api-key") or ""
-        auth = headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        matches = [hmac.compare_digest(given.encode(), key.encode()) for key in self.state.api_keys]  # (each compared)
-        return f"key{matches.index(True)}" if given and any(matches) else None
+        index = key_index(headers, self.state.api_keys)
+        return None if index is None else f"key{index}"
 
 
 def _tokenize(engine: Engine, body: bytes) -> bytes:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from typing import Any
+
+import uvicorn
 
 from specserve.errors import SpecserveError
 
@@ -67,3 +70,11 @@ def bind(hosts: list[str], port: int) -> list[socket.socket]:
 
 def urls(hosts: list[str], port: int) -> list[str]:
     return [f"unix:{h}" if h.endswith(".sock") else f"http://{f'[{h}]' if ':' in h else h}:{port}" for h in hosts]
+
+
+def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """The server's uvicorn settings (the one-model server's and the router's). asyncio's own loop even where uvloop
+    is installed (the GPU image has it): it measured no gain over httptools alone (docs/perf.md), and one loop
+    everywhere keeps the server's behaviour alike across machines."""
+    return uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5,
+                          loop="asyncio")

@@ -6,7 +6,6 @@ them; a client that goes away closes the forwarded request, which cancels its ge
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,17 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from specserve.server import webui
+from specserve.server.api_keys import key_index
 from specserve.server.errors import error_response
 from specserve.server.model_router import ModelEntry, ModelInstances
 
 PUBLIC = ("/health", "/v1/health")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-authorization", "host",
                "content-length", "authorization", "x-api-key"}
-
-
-def _given_key(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
 
 
 def _model_named(body: bytes, request: Request) -> str | None:
@@ -61,10 +56,9 @@ def create_router_app(instances: ModelInstances, api_keys: list[str], webui_on: 
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
-        given = _given_key(request)
         path = request.url.path
-        allowed = not api_keys or path in PUBLIC or (webui_on and webui.is_page_path(path)) or any(
-            [hmac.compare_digest(given.encode(), key.encode()) for key in api_keys])
+        allowed = (not api_keys or path in PUBLIC or (webui_on and webui.is_page_path(path))
+                   or key_index(request.headers, api_keys) is not None)
         return await call_next(request) if allowed else error_response(401, "Invalid API Key", path=request.url.path)
 
     if cors_origins:  # outermost: preflights name no model and carry no key; the router answers them itself
