@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from specserve.server.tool_scanners import partial_tail
+
 FORMATS = ("none", "deepseek", "auto")
 PAIRS = (("<think>", "</think>"), ("<|begin_of_thought|>", "<|end_of_thought|>"), ("<thinking>", "</thinking>"))
 OPENERS = tuple(opener for opener, _ in PAIRS)
@@ -66,15 +68,6 @@ def split(text: str | None, fmt: str = "auto", started_open: bool = False) -> tu
     return body[:end].strip() or None, body[end + len(closer):].lstrip()
 
 
-def _partial_tail(buf: str, markers: Iterable[str]) -> int:
-    """Length of the longest end of `buf` that is a proper beginning of a marker."""
-    best = 0
-    for marker in markers:
-        for size in range(min(len(buf), len(marker) - 1), best, -1):
-            if buf.endswith(marker[:size]):
-                best = size
-                break
-    return best
 
 
 class ReasoningStream:
@@ -153,7 +146,7 @@ class ReasoningStream:
             self._held = ""
             self._state = "after"
             return parts
-        cut = len(self._buf) - (0 if final else _partial_tail(self._buf, self._closers))
+        cut = len(self._buf) - (0 if final else partial_tail(self._buf, self._closers))
         parts = self._think(self._buf[:cut])
         self._buf = self._buf[cut:]
         return parts

@@ -48,8 +48,9 @@ def _skip_space(buf: str, pos: int) -> int:
     return pos
 
 
-def _partial_tail(buf: str, markers: Iterable[str]) -> int:
-    """Length of the longest end of `buf` that is a proper beginning of a marker (held back while streaming)."""
+def partial_tail(buf: str, markers: Iterable[str]) -> int:
+    """Length of the longest end of `buf` that is a proper beginning of a marker (held back while streaming; the
+    reasoning splitter holds its tags back with it too)."""
     best = 0
     for marker in markers:
         for size in range(min(len(buf), len(marker) - 1), best, -1):
@@ -62,7 +63,7 @@ def _partial_tail(buf: str, markers: Iterable[str]) -> int:
 def _content(buf: str, markers: tuple[str, ...], final: bool) -> _Step | None:
     """Plain text up to the first marker; an end that may begin a marker waits for more text."""
     found = [i for i in (buf.find(m) for m in markers) if i >= 0]
-    held = 0 if final else _partial_tail(buf, markers)
+    held = 0 if final else partial_tail(buf, markers)
     cut = min(found) if found else len(buf) - held
     return (cut, [TextPiece(buf[:cut])]) if cut > 0 else None
 
