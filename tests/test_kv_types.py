@@ -15,6 +15,7 @@ import torch
 
 from specserve.engine.local_runner import LocalRunner
 from specserve.errors import SpecserveError
+from specserve.kernels import cpu_ops
 from specserve.kernels.attention import attention, attention_ref
 from specserve.kernels.kv_format import FORMATS, format_of, kv_formats
 from specserve.kernels.rope import rope_and_cache, rope_and_cache_ref, rope_cos_sin
@@ -54,7 +55,8 @@ def test_unknown_types_and_head_sizes_are_one_line_errors() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("k_name,v_name", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q8_0", "f16"), ("f16", "f16")])
+@pytest.mark.parametrize("k_name,v_name", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q8_0", "f16"), ("f16", "f16"),
+                                           ("bf16", "f16")])
 def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> None:
     """Attention with K and V stored packed equals attention over the values those rows decode to (the dense
     reference, fp32), on the torch path and the kernel (C on the CPU, Triton on CUDA); rows written by
@@ -81,6 +83,8 @@ def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> No
     want = dense_attention(q, cache, pos_t, seq_t, dim ** -0.5)
     got_ref = attention_ref(q, k_rows, v_rows, pos_t, table, runs, dim ** -0.5)
     got = attention(q, k_rows, v_rows, pos_t, seq_t, table, runs, dim ** -0.5)
+    if device == "cpu":  # the C kernel takes every type but bf16 (which keeps the reference)
+        assert cpu_ops.attention_takes(q, k_rows, v_rows, pos_t, seq_t, table) == ("bf16" not in (k_name, v_name))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for out in (got_ref, got):
         assert (out.float() - want).abs().max().item() < tol * want.abs().max().item()

@@ -82,10 +82,12 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 
 def _row_bits(cache: torch.Tensor, dim: int) -> int | None:
-    """0 for fp32 rows of dim values, 8 or 4 for packed q8_0 / q4_0 rows (cpu/kv_rows.h), None for rows the C code
-    does not read."""
+    """0 for fp32 rows of dim values, 16 for fp16 ones, 8 or 4 for packed q8_0 / q4_0 rows (cpu/kv_rows.h), None
+    for rows the C code does not read (bf16)."""
     if cache.dtype == torch.float32:  # (first: the default pool, on every call of a step)
         return 0 if cache.shape[3] == dim else None
+    if cache.dtype == torch.float16:
+        return 16 if cache.shape[3] == dim else None
     fmt = packed_format(cache.shape[3], dim) if cache.dtype == torch.uint8 else None
     return None if fmt is None else fmt.code_bits
 
@@ -97,7 +99,7 @@ def _cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int | Non
 
 def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
     """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), row], contiguous
-    CPU tensors of fp32 rows of dim values or packed rows."""
+    CPU tensors of fp32 or fp16 rows of dim values, or packed rows."""
     size = k_cache.shape[2]
     return (k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
             and _row_bits(k_cache, dim) is not None and _row_bits(v_cache, dim) is not None

@@ -1,5 +1,5 @@
-// KV cache rows as kernels/kv_format.py lays them out: fp32 (bits 0), or packed q8_0 / q4_0 (bits 8 / 4): the
-// codes of `dim` values, then dim / 32 fp16 scales. q4_0's byte j holds value j (low nibble) and value
+// KV cache rows as kernels/kv_format.py lays them out: fp32 (bits 0), fp16 (bits 16), or packed q8_0 / q4_0
+// (bits 8 / 4): the codes of `dim` values, then dim / 32 fp16 scales. q4_0's byte j holds value j (low nibble) and value
 // j + dim / 2 (high nibble). Encoding rounds as the torch reference does (scale rounded to fp16 first; q8_0 to
 // the nearest code, ties to even; q4_0 floor(x / scale + 8.5)), so either path writes the same bytes.
 #pragma once
@@ -10,8 +10,13 @@
 
 #define KV_GROUP 32
 
-// Storage elements (floats, or bytes when packed) of one row.
-static inline int64_t kv_row_width(int dim, int bits) { return bits ? (int64_t)dim * bits / 8 + dim / 16 : dim; }
+#define KV_F16 16
+
+// Storage elements (floats, halves, or bytes when packed) of one row, and the bytes of an element.
+static inline int64_t kv_row_width(int dim, int bits) {
+    return bits == 0 || bits == KV_F16 ? dim : (int64_t)dim * bits / 8 + dim / 16;
+}
+static inline int kv_elem_bytes(int bits) { return bits == 0 ? 4 : bits == KV_F16 ? 2 : 1; }
 
 static inline float kv_half_to_float(const uint8_t* p) {
     uint16_t h;
@@ -50,8 +55,14 @@ static inline void kv_encode_row(const float* x, uint8_t* row, int dim, int bits
     }
 }
 
-// A packed row -> out [dim]. Each group's loop has one form (no per-value branch), so the compiler vectorises it.
+// A packed or fp16 row -> out [dim]. Each group's loop has one form (no per-value branch), so the compiler
+// vectorises it.
 static inline void kv_decode_row(const uint8_t* row, float* out, int dim, int bits) {
+    if (bits == KV_F16) {
+        const uint16_t* h = (const uint16_t*)row;
+        for (int j = 0; j < dim; ++j) out[j] = _cvtsh_ss(h[j]);
+        return;
+    }
     const int n_code = dim * bits / 8, half = dim / 2;
     for (int j0 = 0; j0 < dim; j0 += KV_GROUP) {
         const float s = kv_half_to_float(row + n_code + 2 * (j0 / KV_GROUP));
@@ -72,10 +83,15 @@ static inline void kv_decode_row(const uint8_t* row, float* out, int dim, int bi
     }
 }
 
-// Store x [dim] as the row at `at` (storage elements of a cache with this row format).
+// Store x [dim] as the row at `at` (storage elements of a cache with this row format); fp16 rounds to nearest even,
+// as torch's conversion does.
 static inline void kv_store_row(const float* x, void* cache, int64_t at, int dim, int bits) {
-    if (bits)
-        kv_encode_row(x, (uint8_t*)cache + at, dim, bits);
-    else
+    if (bits == 0) {
         memcpy((float*)cache + at, x, sizeof(float) * (size_t)dim);
+    } else if (bits == KV_F16) {
+        uint16_t* h = (uint16_t*)cache + at;
+        for (int j = 0; j < dim; ++j) h[j] = _cvtss_sh(x[j], _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        kv_encode_row(x, (uint8_t*)cache + at, dim, bits);
+    }
 }

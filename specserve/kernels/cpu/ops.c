@@ -50,8 +50,8 @@ static void rotate(const float* src, float* dst, const float* c, const float* s,
     for (int i = 2 * half; i < dim; ++i) dst[i] = src[i];
 }
 
-// Where a paged cache keeps its rows: [blocks, heads, 1 << block_shift, row] in storage elements (floats, or
-// bytes when packed: kv_rows.h).
+// Where a paged cache keeps its rows: [blocks, heads, 1 << block_shift, row] in storage elements (floats, halves,
+// or bytes when packed: kv_rows.h).
 typedef struct {
     void* data;
     int64_t block_stride, head_stride;
@@ -123,10 +123,11 @@ static float* grown(float** buf, int64_t* size, int64_t n) {
 // Rows 0..len-1 of one head of a sequence (through its blocks), decoded into out [len, dim].
 static void decode_rows(const kv_cache* c, const int32_t* blocks, int block_shift, int64_t head, int len, int dim,
                         float* out) {
-    const int64_t width = kv_row_width(dim, c->bits);
+    const int64_t width = kv_row_width(dim, c->bits), elem = kv_elem_bytes(c->bits);
     for (int j = 0; j < len; ++j) {
-        const uint8_t* row = (const uint8_t*)c->data + (int64_t)blocks[j >> block_shift] * c->block_stride + head +
-                             (j & ((1 << block_shift) - 1)) * width;
+        const uint8_t* row = (const uint8_t*)c->data +
+                             ((int64_t)blocks[j >> block_shift] * c->block_stride + head +
+                              (j & ((1 << block_shift) - 1)) * width) * elem;
         kv_decode_row(row, out + (int64_t)j * dim, dim, c->bits);
     }
 }
