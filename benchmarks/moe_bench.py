@@ -41,9 +41,9 @@ from specserve.engine.local_runner import LocalRunner, default_dtype
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Failure, Result, Task
-from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.moe_experts import NormMoeAdd
-from specserve.kernels.moe_routing import FUSED_N_EXPERT, NORM_CLAMP, route, route_ref
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.moe_routing import FUSED_N_EXPERT, NORM_CLAMP, Routing, route_ref
+from specserve.kernels.moe_step import NormMoeAdd
 from specserve.kernels.quant_experts import QuantExperts
 from specserve.model.batch import Batch
 from specserve.model.moe import MoeConfig
@@ -98,7 +98,12 @@ def section_routing(device: torch.device, tokens: list[int]) -> list[dict[str, o
             kw["bias"] = torch.randn(n_expert, device=device, generator=gen)
         for n in tokens:
             logits = torch.randn(n, n_expert, device=device, generator=gen) * 3
-            kernel = n_expert in FUSED_N_EXPERT and triton_enabled(logits)
+            kernels = kernels_for(device)
+            kernel = n_expert in FUSED_N_EXPERT and kernels.name == "triton"
+
+            def route(x: torch.Tensor, k: int, kernels=kernels, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+                return kernels.route(x, Routing(k, **kw))
+
             ids, _ = route(logits, k, **kw)
             row: dict[str, object] = {"routing": name, "experts": n_expert, "k": k, "tokens": n,
                                       "kernel": "yes" if kernel else "no",
@@ -114,8 +119,6 @@ def section_routing(device: torch.device, tokens: list[int]) -> list[dict[str, o
 
 
 def section_experts(args: argparse.Namespace, device: torch.device, tokens: list[int]) -> list[dict[str, object]]:
-    from specserve.kernels.moe_experts import moe_experts
-
     cfg = moe_config(None, args.small)
     e, f, h, k = cfg.n_expert, cfg.expert_ffn, cfg.hidden, cfg.n_expert_used
     gen = torch.Generator(device=device).manual_seed(2)
@@ -129,8 +132,9 @@ def section_experts(args: argparse.Namespace, device: torch.device, tokens: list
         weights = torch.rand(n, k, device=device, generator=gen)
         chosen_bytes = ids.unique().numel() * (gate_up.n_bytes() + down.n_bytes()) // e
         row: dict[str, object] = {"tokens": n, "experts_read": ids.unique().numel(), "MB": round(chosen_bytes / 1e6, 1)}
-        paths: list[tuple[str, Callable]] = [("dispatch", moe_experts)]
-        if triton_enabled(x):
+        kernels = kernels_for(device)
+        paths: list[tuple[str, Callable]] = [("dispatch", kernels.moe_experts)]
+        if kernels.name == "triton":
             from specserve.kernels import moe_experts_triton
 
             paths.append(("triton_pairs", moe_experts_triton.pairs))
@@ -260,13 +264,13 @@ def decode_rate(runner: LocalRunner, rows: int, n_predict: int) -> float:
 
 
 class CountExperts:
-    """A layer's routing that also records how many distinct experts each call chose."""
+    """A runner's routing that also records how many distinct experts each call chose."""
 
-    def __init__(self, routing: Callable, counts: list[int]) -> None:
-        self.routing, self.counts = routing, counts
+    def __init__(self, route: Callable, counts: list[int]) -> None:
+        self.route, self.counts = route, counts
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, weights = self.routing(logits)
+    def __call__(self, logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = self.route(logits, routing)
         self.counts.append(int(ids.unique().numel()))
         return ids, weights
 
@@ -285,13 +289,11 @@ def experts_per_layer(runner: LocalRunner, rows: int) -> list[int]:
         step = Batch()
         for seq in range(rows):
             step.add(7 * seq + 3, runner.seq_len[seq], seq, logits=True)
-        for op in ops:
-            op.routing = CountExperts(op.routing, counts)
+        runner.kernels.route = CountExperts(runner.kernels.route, counts)  # type: ignore[method-assign]
         runner.forward(step)
+        assert len(counts) == len(ops)
     finally:
-        for op in ops:
-            if isinstance(op.routing, CountExperts):
-                op.routing = op.routing.routing
+        runner.kernels.__dict__.pop("route", None)
         for seq in range(rows):
             runner.kv_truncate(seq, 0)
         runner.graphs = graphs

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from random_model import DEV, graph_us
 
 from specserve.kernels import quant_cuda
-from specserve.kernels.activation import silu_mul
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.cuda import block_shapes, build
 from specserve.kernels.quant_weight import QuantWeight
 
@@ -100,6 +100,7 @@ def bench_matrix(name: str, n: int, k: int, silu: bool, m: int, qs: Rotation, fl
                    + [lambda b=blocks, kn=kernel: cuda(b, kn) for _, kernel, blocks in variants])
     r: dict[str, object] = {"matrix": name, "N": n, "K": k, "rows": m, "bits": qw.bits, "group": qw.group,
                             "MB": round(qbytes / 1e6, 2)}
+    silu_mul = kernels_for(x.device).silu_mul
     r["cublas_bf16"] = timed(lambda: F.linear(silu_mul(x) if silu else x, fl()), 2 * len(fl.items), n * k * 2)
     r["triton_bf16"] = timed(lambda: linear_triton.gemv(x, fl(), None, silu, torch.bfloat16),
                              2 * len(fl.items), n * k * 2)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import batch_invariant
-from specserve.kernels.linear import linear
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.quant_weight import quantize_q8
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the mode changes CUDA kernels only")
@@ -56,7 +56,9 @@ def test_cuda_products_do_not_depend_on_the_batch(invariant: None, packed: bool,
     weight = quantize_q8(w) if packed else w
     bias = None if packed else torch.randn(n, generator=g, device="cuda").bfloat16()
     x = torch.randn(300, k, generator=g, device="cuda").bfloat16()
-    _rows_alone_and_among_others(lambda rows: linear(rows, weight, bias), x)
+    kernels = kernels_for("cuda")
+    assert kernels.invariant
+    _rows_alone_and_among_others(lambda rows: kernels.linear(rows, weight, bias), x)
 
 
 @cuda

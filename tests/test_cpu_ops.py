@@ -2,7 +2,8 @@
 RMSNorm with and without the residual add, RoPE with the KV-cache write (both layouts, partial rotation, views of
 one [q | k | v] product), attention of mixed rows of two sequences over paged caches (blocks scattered over the
 pool; checked against the dense layout too; grouped heads, a head size with a partial vector), SwiGLU; that a
-row's result does not depend on its batch; and that the op modules dispatch to them for fp32 CPU tensors."""
+row's result does not depend on its batch; and that a CPU runner's kernels (kernels/cpu_kernels.py) run them
+for fp32 tensors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.cpu import build
 from tests.paged import dense_attention, paged_cache
 
@@ -75,15 +77,17 @@ def test_silu_mul(rows: int, n: int) -> None:
     assert _rel(cpu_ops.silu_mul(gate_up), activation.silu_mul_ref(gate_up)) < 1e-6
 
 
-def test_ops_dispatch_for_fp32_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_kernels_take_fp32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     real = cpu_ops.rms_norm
     monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append("c") or real(*a))
     w = torch.rand(64)
-    rmsnorm.rms_norm(torch.randn(3, 64), w, 1e-5)
-    rmsnorm.rms_norm(torch.randn(512, 64), w, 1e-5)  # prompt rows too: the same instructions for every row
+    kernels = kernels_for("cpu")
+    assert kernels.name == "cpu"
+    kernels.rms_norm(torch.randn(3, 64), w, 1e-5)
+    kernels.rms_norm(torch.randn(512, 64), w, 1e-5)  # prompt rows too: the same instructions for every row
     assert calls == ["c", "c"]
-    rmsnorm.rms_norm(torch.randn(2, 64, dtype=torch.float64), w.double(), 1e-5)  # not fp32: torch
+    kernels.rms_norm(torch.randn(2, 64, dtype=torch.float64), w.double(), 1e-5)  # not fp32: torch
     assert calls == ["c", "c"]
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import batch_invariant
 from specserve.kernels import settings as kernel_settings
-from specserve.kernels.linear import DENSE_MIN_ROWS, dense_copy, dequantize, linear
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.linear import DENSE_MIN_ROWS, dense_copy
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS, quantize_q8
 from specserve.model.random_init import SHAPES, random_weights
 from specserve.model.weights import MATRICES, add_dense_copies, quantize_weights
@@ -29,13 +29,13 @@ def test_only_steps_longer_than_one_sequences_take_the_copy() -> None:
     w = quantize_q8(torch.randn(96, 256))
     x = torch.randn(40, 256)
     assert dense_copy(x, w) is None  # no copy made
-    w.dense = dequantize(w, torch.float32)
+    cpu = kernels_for("cpu")
+    w.dense = cpu.dequantize(w, torch.float32)
     assert DENSE_MIN_ROWS == MAX_GEMV_ROWS + 1  # a verify step of one sequence never reaches it
     assert dense_copy(x[:MAX_GEMV_ROWS], w) is None
     assert dense_copy(x[:DENSE_MIN_ROWS], w) is w.dense
     assert dense_copy(x.bfloat16(), w) is None  # a copy in another dtype is not used
-    torch.testing.assert_close(linear(x, w), F.linear(x, w.dense), rtol=0, atol=0)
-    torch.testing.assert_close(linear(x, w, silu_input=False, out_dtype=torch.float32), F.linear(x, w.dense))
+    assert dense_copy(x, w, invariant=True) is None  # batch-invariant steps keep the packed kernel
 
 
 def test_the_loader_gives_every_dense_matrix_a_copy_within_its_budget() -> None:
@@ -43,16 +43,17 @@ def test_the_loader_gives_every_dense_matrix_a_copy_within_its_budget() -> None:
     weights = quantize_weights(random_weights(cfg, torch.float32, "cpu", seed=3), "q8")
     packed = [getattr(layer, name) for layer in weights.layers for name in MATRICES] + [weights.output]
     need = sum(w.shape.numel() for w in packed) * 4
-    assert add_dense_copies(weights, torch.float32, need - 1) == 0
+    cpu = kernels_for("cpu")
+    assert add_dense_copies(weights, torch.float32, need - 1, cpu) == 0
     assert all(w.dense is None for w in packed)
-    assert add_dense_copies(weights, torch.float32, need) == need
+    assert add_dense_copies(weights, torch.float32, need, cpu) == need
     for w in packed:
-        torch.testing.assert_close(w.dense, dequantize(w, torch.float32), rtol=0, atol=0)
+        torch.testing.assert_close(w.dense, cpu.dequantize(w, torch.float32), rtol=0, atol=0)
 
 
 def test_float_weights_get_no_copies() -> None:
     weights = random_weights(small_config(), torch.float32, "cpu", seed=4)
-    assert add_dense_copies(weights, torch.float32, 1 << 40) == 0
+    assert add_dense_copies(weights, torch.float32, 1 << 40, kernels_for("cpu")) == 0
 
 
 def test_a_cpu_runner_makes_none() -> None:
@@ -71,20 +72,17 @@ def test_cuda_products_take_the_packed_kernel_up_to_one_sequences_rows() -> None
     torch.manual_seed(1)
     w = quantize_q8(torch.randn(512, 1536, device="cuda").bfloat16())
     x = torch.randn(48, 1536, device="cuda").bfloat16()
+    kernels = kernels_for("cuda", invariant=False)
+    linear = kernels.linear
     packed = {rows: linear(x[:rows], w) for rows in (1, MAX_GEMV_ROWS, 17, 48)}
-    w.dense = dequantize(w, torch.bfloat16)
+    w.dense = kernels.dequantize(w, torch.bfloat16)
     for rows in (1, MAX_GEMV_ROWS):
         torch.testing.assert_close(linear(x[:rows], w), packed[rows], rtol=0, atol=0)
     for rows in (17, 48):
         torch.testing.assert_close(linear(x[:rows], w), F.linear(x[:rows], w.dense), rtol=0, atol=0)
         scale = packed[rows].abs().max().item()  # bf16 rounding of values near it: one part in 2^8
         torch.testing.assert_close(linear(x[:rows], w), packed[rows], rtol=0, atol=0.02 * scale)
-    was = batch_invariant.enabled()
-    batch_invariant.enable(True)
-    try:
-        torch.testing.assert_close(linear(x, w), packed[48], rtol=0, atol=0)
-    finally:
-        batch_invariant.enable(was)
+    torch.testing.assert_close(kernels_for("cuda", invariant=True).linear(x, w), packed[48], rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="GPU only")

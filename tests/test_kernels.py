@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from specserve.kernels import settings as kernel_settings
-from specserve.kernels.dispatch import HAVE_TRITON
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.settings import HAVE_TRITON
 from specserve.model.kv_cache import PagedKV
 from tests.paged import dense_attention, paged_cache
 
@@ -247,8 +248,9 @@ def test_gemv_cuda(kernel: str, fmt: str, blocks: dict | None, n_out: int, k: in
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
 def test_quantized_verify_rows_compute_what_decode_computes() -> None:
     """Up to MAX_SLICED_ROWS rows (long verify steps) go through the same kernel as one row, in slices."""
-    from specserve.kernels.linear import linear
     from specserve.kernels.quant_weight import MAX_SLICED_ROWS
+
+    linear = kernels_for(DEVICE).linear
 
     qw = random_quant(300, 1536, 32, True)
     x = torch.randn(MAX_SLICED_ROWS, 1536, device=DEVICE).to(DTYPE)
@@ -265,8 +267,10 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
     the same activations its input stage computed before, bit for bit (1..16 rows, and sliced above)."""
     from specserve.kernels import quant_cuda
     from specserve.kernels.activation import silu_mul_ref
-    from specserve.kernels.linear import linear
     from specserve.kernels.step_ops import feed_forward
+
+    kernels = kernels_for(DEVICE)
+    linear = kernels.linear
 
     k = 1536
     w_gate_up = random_quant(2 * n_ff, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
@@ -278,7 +282,8 @@ def test_swiglu_in_gate_up_output(fmt: str, n_ff: int) -> None:
         assert act.shape == (rows, n_ff)
         assert rel_err(act, silu_mul_ref(gate_up.float())) < TOL
         if w_down is not None:
-            assert torch.equal(feed_forward(x[:rows], w_gate_up, w_down), linear(gate_up, w_down, silu_input=True))
+            assert torch.equal(feed_forward(x[:rows], w_gate_up, w_down, kernels),
+                               linear(gate_up, w_down, silu_input=True))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA C kernels (NVRTC): GPU only")
@@ -313,9 +318,10 @@ def test_norm_and_residual_add_fold_into_the_product(fmt: str) -> None:
     """RMSNorm folded into the tensor-core kernel's input matches rms_norm then the product (to bf16
     rounding of the normed values), and each row of a multi-row call is bit for bit a one-row call;
     the product added to a residual stream in place is exactly the bf16 sum of the two."""
-    from specserve.kernels.linear import linear
     from specserve.kernels.rmsnorm import rms_norm_ref
     from specserve.kernels.step_ops import linear_fused
+
+    linear = kernels_for(DEVICE).linear
 
     k, n = 1536, 272
     w = random_quant(n, k, 32 if fmt == "k32min" else 16, fmt == "k32min")
@@ -381,8 +387,10 @@ def test_residual_add_with_k_split_across_a_cluster(kc: int, monkeypatch: pytest
 def test_rope_and_kv_write_fold_into_the_qkv_product(style: str, n_heads: int, n_kv: int, head_dim: int) -> None:
     """RoPE and the KV-cache write in the QKV product's epilogue vs the product then rope_and_cache;
     each row of a multi-row call bit for bit a one-row call."""
-    from specserve.kernels.rope import RopeWrite, rope_and_cache, rope_cos_sin
+    from specserve.kernels.rope import RopeWrite, rope_cos_sin
     from specserve.kernels.step_ops import linear_fused
+
+    rope_and_cache = kernels_for(DEVICE).rope_and_cache
 
     k, ctx, n_seqs = 512, 64, 3
     n_out = (n_heads + 2 * n_kv) * head_dim
@@ -441,17 +449,18 @@ def test_dependent_launches_compute_what_plain_launches_compute(monkeypatch: pyt
         for _ in range(6):
             h = linear_fused(residual, w_in, norm=norm)
             linear_fused(h, w_out, add_to=residual)
-            feed_forward(residual, w_gate_up, w_down, norm=norm, add_to=residual)
+            feed_forward(residual, w_gate_up, w_down, kernels_for(DEVICE), norm=norm, add_to=residual)
         results[pdl] = residual
     assert torch.equal(results["1"], results["0"])
 
 
 @pytest.mark.parametrize("weight_format", ["float", "q8"])
-def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_forward_kernels_match_reference(weight_format: str) -> None:
     """The whole forward (prefill > 16 rows, decode, verify) with kernels on vs the torch references."""
     import dataclasses
 
     from specserve.kernels.quant_weight import QuantWeight
+    from specserve.kernels.torch_kernels import TorchKernels
     from specserve.model.random_init import SHAPES, random_weights
     from specserve.model.transformer import Transformer
     from specserve.model.weights import quantize_weights
@@ -460,12 +469,11 @@ def test_model_forward_kernels_match_reference(weight_format: str, monkeypatch: 
                               head_dim=64, ffn=96, vocab_size=300)
     weights = quantize_weights(random_weights(cfg, DTYPE, DEVICE, seed=1), weight_format)
     assert isinstance(weights.output, QuantWeight) == (weight_format != "float")
-    model = Transformer(cfg, weights, 64)
     steps = [list(range(20)), [20], list(range(21, 29))]  # prefill, decode, verify
     outs: dict[str, list[torch.Tensor]] = {}
-    for mode in ("triton", "torch"):
-        monkeypatch.setenv("SPECSERVE_NO_TRITON", "1" if mode == "torch" else "0")
-        kernel_settings.reload()
+    for mode, kernels in (("triton", kernels_for(DEVICE)), ("torch", TorchKernels())):
+        assert kernels.name == mode
+        model = Transformer(cfg, weights, 64, kernels)
         kv = PagedKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks=4, n_seqs=1, n_ctx=64, block_size=16,
                      dtype=DTYPE, device=torch.device(DEVICE))
         outs[mode] = []

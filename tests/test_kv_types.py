@@ -16,9 +16,10 @@ import torch
 from specserve.engine.local_runner import LocalRunner
 from specserve.errors import SpecserveError
 from specserve.kernels import cpu_ops
-from specserve.kernels.attention import attention, attention_ref
+from specserve.kernels.attention import attention_ref
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.kv_format import FORMATS, format_of, kv_formats
-from specserve.kernels.rope import rope_and_cache, rope_and_cache_ref, rope_cos_sin
+from specserve.kernels.rope import rope_and_cache_ref, rope_cos_sin
 from tests.helpers import prefill
 from tests.paged import dense_attention, paged_cache
 from tests.server_utils import ServerProcess, served
@@ -82,7 +83,8 @@ def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> No
     table = cache.table.to(device)
     want = dense_attention(q, cache, pos_t, seq_t, dim ** -0.5)
     got_ref = attention_ref(q, k_rows, v_rows, pos_t, table, runs, dim ** -0.5)
-    got = attention(q, k_rows, v_rows, pos_t, seq_t, table, runs, dim ** -0.5)
+    kernels = kernels_for(device)
+    got = kernels.attention(q, k_rows, v_rows, pos_t, seq_t, table, runs, dim ** -0.5)
     if device == "cpu":  # the C kernel takes every type but bf16 (which keeps the reference)
         assert cpu_ops.attention_takes(q, k_rows, v_rows, pos_t, seq_t, table) == ("bf16" not in (k_name, v_name))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -101,7 +103,7 @@ def test_attention_over_packed_rows(device: str, k_name: str, v_name: str) -> No
     rope_and_cache_ref(q_new, k_new, v_new, cos, sin, new_pos, slots, plain_k, plain_v, "neox")
     k_ref, v_ref = k_rows.clone(), v_rows.clone()
     rope_and_cache_ref(q_new, k_new, v_new, cos, sin, new_pos, slots, k_ref, v_ref, "neox")
-    rope_and_cache(q_new, k_new, v_new, cos, sin, new_pos, slots, k_rows, v_rows, "neox")  # C on the CPU
+    kernels.rope_and_cache(q_new, k_new, v_new, cos, sin, new_pos, slots, k_rows, v_rows, "neox")  # C on the CPU
     b, o = slots // 16, slots % 16
     for fmt, rows, ref, plain in ((k_fmt, k_rows, k_ref, plain_k), (v_fmt, v_rows, v_ref, plain_v)):
         assert torch.equal(ref[b, :, o], fmt.encode(plain[b, :, o]).to(rows.dtype))

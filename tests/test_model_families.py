@@ -11,6 +11,7 @@ from gguf import GGUFWriter
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.kernels.backend import kernels_for
 from specserve.model.kv_cache import PagedKV
 from specserve.model.registry import FAMILIES, family, read_config
 from specserve.model.transformer import Transformer
@@ -91,7 +92,7 @@ def test_family_reads_its_config_and_runs(arch: str, tmp_path: Path) -> None:
     assert cfg.rms_eps == pytest.approx(1e-6)  # stored as float32
 
     weights = load_weights(gguf, cfg, torch.float32, "cpu", progress=False)
-    model = Transformer(cfg, weights, 32)
+    model = Transformer(cfg, weights, 32, kernels_for("cpu"))
     qkv = model.layers[0].attention.qkv
     assert (qkv.bias is not None, qkv.head_norms is not None, qkv.style) == (bias, qk_norm, rope_style)
     kv = PagedKV(N_LAYERS, N_KV_HEADS, HEAD_DIM, n_blocks=2, n_seqs=1, n_ctx=32, block_size=16,

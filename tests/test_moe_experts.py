@@ -25,12 +25,19 @@ from specserve.engine.generate import generate
 from specserve.engine.local_runner import LocalRunner
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.kernels import settings as kernel_settings
-from specserve.kernels.dispatch import HAVE_TRITON
-from specserve.kernels.moe_experts import experts_stay_packed, moe_experts, moe_experts_ref
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.moe_experts import moe_experts_ref
 from specserve.kernels.quant_experts import QuantExperts
 from specserve.kernels.quant_weight import QuantWeight, dequantize_ref
+from specserve.kernels.settings import HAVE_TRITON
 from specserve.model.batch import Batch
 from tests.moe_gguf import hf_model, quantize_gguf, write_gguf
+
+
+def moe_experts(x: torch.Tensor, *args: torch.Tensor | QuantExperts) -> torch.Tensor:
+    """The experts as a runner on x's device runs them (its kernels, chosen from the switches as they are now)."""
+    return kernels_for(x.device).moe_experts(x, *args)  # type: ignore[arg-type]
+
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -268,7 +275,7 @@ def test_on_the_cpu_gguf_experts_and_greedy_text(q4_file: Path) -> None:
     packed = LocalRunner(q4_file, n_ctx=64, device="cpu", progress=False, weight_format="gguf")
     plain = LocalRunner(q4_file, n_ctx=64, device="cpu", progress=False, weight_format="float")
     gate_up = packed.weights.layers[0].experts.gate_up
-    assert isinstance(gate_up, QuantExperts) if experts_stay_packed("cpu") else gate_up.dtype == torch.float32
+    assert isinstance(gate_up, QuantExperts) if kernels_for("cpu").experts_packed else gate_up.dtype == torch.float32
     tokenizer = Tokenizer.from_gguf(plain.gguf)
     assert (generate(packed, tokenizer, PROMPT, 24, ignore_eos=True).tokens
             == generate(plain, tokenizer, PROMPT, 24, ignore_eos=True).tokens)

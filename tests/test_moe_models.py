@@ -21,8 +21,9 @@ from specserve.engine.local_runner import LocalRunner
 from specserve.engine.sampling import SamplingParams
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.kernels import settings as kernel_settings
-from specserve.kernels.moe_experts import experts_stay_packed, moe_experts_ref
-from specserve.kernels.moe_routing import route
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.moe_experts import moe_experts_ref
+from specserve.kernels.moe_routing import route_ref
 from specserve.model.batch import Batch
 from specserve.model.moe import MoeConfig
 from specserve.speculative.base import SpecParams
@@ -133,7 +134,7 @@ def test_expert_paths_agree_with_hf_experts() -> None:
         experts.gate_up_proj.copy_(torch.randn(n_expert, 2 * ffn, hidden) * hidden**-0.5)
         experts.down_proj.copy_(torch.randn(n_expert, hidden, ffn) * ffn**-0.5)
     x = torch.randn(40, hidden)
-    ids, weights = route(torch.randn(40, n_expert), k, gating="softmax", norm=True)
+    ids, weights = route_ref(torch.randn(40, n_expert), k, gating="softmax", norm=True)
     with torch.no_grad():
         want = experts(x, ids, weights)
         got = [moe_experts_ref(x, ids, weights, experts.gate_up_proj, experts.down_proj, by_expert=b)
@@ -143,7 +144,7 @@ def test_expert_paths_agree_with_hf_experts() -> None:
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU then runs the Triton kernels (test_moe_experts)
-CPU_PACKS_EXPERTS = experts_stay_packed("cpu")
+CPU_PACKS_EXPERTS = kernels_for("cpu").experts_packed
 
 
 @pytest.mark.skipif(INTERPRET, reason="the CPU runs the Triton expert kernels here")

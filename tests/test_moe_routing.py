@@ -19,13 +19,22 @@ import torch.nn.functional as F
 
 from specserve.errors import SpecserveError
 from specserve.kernels import moe_routing
-from specserve.kernels.dispatch import HAVE_TRITON
-from specserve.kernels.moe_routing import NORM_CLAMP, Routing, route, route_ref
+from specserve.kernels.backend import kernels_for
+from specserve.kernels.moe_routing import NORM_CLAMP, Routing, route_ref
+from specserve.kernels.settings import HAVE_TRITON, KernelSettings
+from specserve.kernels.torch_kernels import TorchKernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"  # route() runs the kernel slowly
 KERNEL = HAVE_TRITON and (DEVICE == "cuda" or INTERPRETED)
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+
+
+def route(logits: torch.Tensor, k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing as a runner on the logits' device routes (its kernels)."""
+    return kernels_for(logits.device).route(logits, Routing(k, **kw))
+
+
 HIDDEN = 32
 VARIANTS = {  # spec/moe-routing.md's variants as route's keyword arguments ("bias": a random expert bias)
     "softmax": dict(gating="softmax"),
@@ -195,7 +204,7 @@ def test_against_hf_router(name: str, n_expert: int, k: int) -> None:
     h = torch.randn(65, HIDDEN)
     with torch.no_grad():
         _, hf_weights, hf_ids = router(h)
-        ids, weights = routing(logits_of(h))
+        ids, weights = kernels_for(DEVICE).route(logits_of(h), routing)
     if name.startswith("deepseek_v3"):  # HF's topk(sorted=False): compare each token's experts in id order
         hf_ids, order = hf_ids.sort(dim=1)
         hf_weights = hf_weights.gather(1, order)
@@ -297,12 +306,13 @@ def test_kernel_edge_inputs() -> None:
 
 @needs_kernel
 def test_route_dispatch() -> None:
-    """route() runs the kernel where it covers the call, the reference elsewhere (callers never choose)."""
+    """A runner's kernels route on the kernel where it covers the call, the reference elsewhere (callers never
+    choose)."""
     from specserve.kernels import moe_routing_triton
 
-    def calls(logits: torch.Tensor, **kw) -> int:
+    def calls(logits: torch.Tensor, kernels: TorchKernels | None = None, **kw) -> int:
         with mock.patch.object(moe_routing_triton, "route", wraps=moe_routing_triton.route) as spy:
-            route(logits, 2, gating="softmax", **kw)
+            (kernels or kernels_for(DEVICE)).route(logits, Routing(2, "softmax", **kw))
         return spy.call_count
 
     assert calls(torch.randn(3, 64, device=DEVICE)) == 1
@@ -310,8 +320,8 @@ def test_route_dispatch() -> None:
     assert calls(torch.randn(3, 576, device=DEVICE), norm=True) == 1
     assert calls(torch.randn(3, 60, device=DEVICE)) == 0  # not a shape of the spec: the reference
     assert calls(torch.randn(3, 64, device=DEVICE, dtype=torch.float64)) == 0
-    with mock.patch.dict(os.environ, {"SPECSERVE_NO_TRITON": "1"}):
-        assert calls(torch.randn(3, 64, device=DEVICE)) == 0
+    no_triton = kernels_for(DEVICE, kernel_settings=KernelSettings.from_env({"SPECSERVE_NO_TRITON": "1"}))
+    assert calls(torch.randn(3, 64, device=DEVICE), no_triton) == 0
     assert sorted(moe_routing.FUSED_N_EXPERT) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 576]
 
 
@@ -320,10 +330,11 @@ def test_kernel_in_a_cuda_graph() -> None:
     """The model's decode steps are CUDA graphs: the kernel is captured and replays on new logits."""
     logits = torch.randn(16, 128, device="cuda")
     routing = Routing(8, "softmax", norm=True)
-    routing(logits)  # (compiled outside the capture)
+    kernels = kernels_for("cuda")
+    kernels.route(logits, routing)  # (compiled outside the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ids, weights = routing(logits)
+        ids, weights = kernels.route(logits, routing)
     logits.copy_(torch.randn(16, 128, device="cuda"))
     graph.replay()
     ref_ids, ref_weights = route_ref(logits, 8, gating="softmax", norm=True)

@@ -3,7 +3,7 @@ dequantized reference, the int8 kernel against a torch reference of its own arit
 int8 per word's k, or per group where its grouped layout runs) and, within a stated tolerance, against the fp32
 one; every packing layout (4/8-bit, groups of 16/32), odd N and row lengths of an odd number of groups that
 leave a partial chunk (grouped: whole blocks of 16 groups, a partial block of 8 or more, a tail of fewer, a
-tail alone), 1..40 rows, and which kernel `linear` takes."""
+tail alone), 1..40 rows, and which kernel a CPU runner's `linear` takes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from specserve.kernels import quant_cpu
 from specserve.kernels import settings as kernel_settings
-from specserve.kernels.linear import linear
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.quant_weight import QuantWeight, dequantize_ref, quantize_q8
 
 pytestmark = pytest.mark.skipif(not quant_cpu.kernel_built(), reason="needs a C compiler and AVX2 (+FMA, F16C) or "
@@ -90,14 +90,14 @@ def test_linear_takes_int8_by_default_exact_on_request(monkeypatch: pytest.Monke
     for rows in (3, 100):  # the int8 kernel takes prompt chunks too: every row rounded alike
         x = torch.randn(rows, 256)
         ref = x @ dequantize_ref(w, torch.float32).t() + bias
-        assert _rel(linear(x, w, bias), ref) < INT8_TOLERANCE
+        assert _rel(kernels_for("cpu").linear(x, w, bias), ref) < INT8_TOLERANCE
     assert kernels == [default] * (2 if default == "int8" else 1)
     kernels.clear()
     monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
     kernel_settings.reload()
     for rows in (3, 100):  # exact: the kernel up to 64 rows, above that torch's GEMM on the dequantized matrix
         x = torch.randn(rows, 256)
-        assert _rel(linear(x, w, bias), x @ dequantize_ref(w, torch.float32).t() + bias) < 1e-5
+        assert _rel(kernels_for("cpu").linear(x, w, bias), x @ dequantize_ref(w, torch.float32).t() + bias) < 1e-5
     assert kernels == ["fp32"]
 
 

@@ -22,7 +22,6 @@ from specserve.engine.slots import Slot
 from specserve.engine.tasks import Chunk, Result, Task, TaskHandle
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.kernels.linear import linear
 from specserve.speculative.base import SpecParams
 from tests.helpers import running_scheduler
 
@@ -114,7 +113,8 @@ def test_embedding_pools_the_normed_final_hidden_state(sched: Scheduler, tokeniz
     last = embed(sched, tokens, pooling="last")
     assert not torch.allclose(last, mean)
     # the last token's hidden state is what the output head turns into the next-token logits
-    logits = linear(last[None].to(runner.dtype), runner.weights.output, out_dtype=torch.float32)  # type: ignore[attr-defined]
+    logits = runner.kernels.linear(last[None].to(runner.dtype), runner.weights.output,  # type: ignore[attr-defined]
+                                   out_dtype=torch.float32)
     assert int(logits.argmax()) == run(sched, tokens, n_predict=1)[0][0]
     with pytest.raises(SpecserveError, match="must be 1"):
         embed(sched, [])

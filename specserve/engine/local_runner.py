@@ -13,7 +13,7 @@ from specserve.engine.cuda_graphs import PROMPT_ROWS, RING_ROWS, GraphCache, fee
 from specserve.engine.host_copy import LaunchedStep
 from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.dispatch import triton_enabled
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.kv_format import COMPUTE, KVTypes, kv_formats
 from specserve.kernels.quant_weight import MAX_GEMV_ROWS
 from specserve.kernels.settings import settings
@@ -143,7 +143,9 @@ class LocalRunner:
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
-        dense = add_dense_copies(weights, weights.embed.dtype, dense_copy_budget(self.device))
+        self.kernels = kernels_for(self.device)  # what every op of the model runs on, chosen once
+        log.info("kernels: %s", self.kernels.name)
+        dense = add_dense_copies(weights, weights.embed.dtype, dense_copy_budget(self.device), self.kernels)
         if dense:
             log.info("dense copies of the packed matrices for steps of many rows: %.2f GB", dense / 1e9)
         self.dtype = weights.embed.dtype
@@ -156,7 +158,7 @@ class LocalRunner:
         self.adapters = None
         cfg = config
         use_graphs = (cuda_graphs and self.device.type == "cuda" and cfg.head_dim in (64, 128, 256)
-                      and triton_enabled(weights.embed))
+                      and self.kernels.name == "triton")
         self.ledger = KVLedger(n_seqs, self.n_ctx, config.vocab_size, kv_size, BLOCK_SIZE)
         self.seq_len = self.ledger.seq_len  # (the same list)
         formats = kv_formats(kv_types, cfg.head_dim)
@@ -172,7 +174,7 @@ class LocalRunner:
         # Packed weights on CUDA take up to MAX_GEMV_ROWS rows per kernel launch and run more as slices:
         # a 17-row step pads to the 24-row graph and costs a 16-row pass plus an 8-row one (about 1.5x a
         # 16-row step on the 1.5B model), so speculative steps keep their drafts within this (None: no limit).
-        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and triton_enabled(weights.embed)
+        self.max_step_rows = (MAX_GEMV_ROWS if self.weight_format != "float" and self.kernels.name == "triton"
                               else None)
         self._ring = torch.zeros((2, RING_ROWS), dtype=torch.long, device=self.device)  # see cuda_graphs
         self._launches = 0
@@ -182,7 +184,7 @@ class LocalRunner:
 
     def _build_model(self, config: ModelConfig, weights: ModelWeights) -> Transformer:
         """The forward the runner drives (a tensor-parallel shard runner builds its rank's instead)."""
-        return Transformer(config, weights, self.n_ctx)
+        return Transformer(config, weights, self.n_ctx, self.kernels)
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS, sequences: int = 0) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to

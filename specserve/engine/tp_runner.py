@@ -61,7 +61,7 @@ class ShardRunner(LocalRunner):
         self.gguf: GGUFFile | None = gguf
 
     def _build_model(self, config: ModelConfig, weights: ModelWeights) -> Transformer:
-        return ShardedTransformer(self.layout, weights, self.n_ctx, self.group.comm)
+        return ShardedTransformer(self.layout, weights, self.n_ctx, self.group.comm, self.kernels)
 
 
 class TensorParallelRunner(ShardRunner):

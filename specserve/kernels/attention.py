@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import cpu_ops
-from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.kv_format import format_of
 
 
@@ -42,17 +40,3 @@ def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
-
-
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, runs: list[tuple[int, int, int, int]],
-              scale: float) -> torch.Tensor:
-    """Dispatch: the Triton kernel reads (seq, position) per row on the device and ignores
-    `runs`, so its launch does not depend on host-side batch layout (graph-capturable)."""
-    if triton_enabled(q) and q.shape[-1] in (64, 128, 256):
-        from specserve.kernels import attention_triton
-
-        return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale)
-    if cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids, table):
-        return cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, table, scale)
-    return attention_ref(q, k_cache, v_cache, positions, table, runs, scale)

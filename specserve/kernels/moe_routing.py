@@ -2,9 +2,9 @@
 
 One reference covers every variant of spec/moe-routing.md: softmax or sigmoid gating, an expert bias
 that steers selection only, top-k with ties to the lower expert id, normalisation by max(sum, clamp), a
-scale, and delayed softmax (top-k on the raw logits, then softmax over the k chosen). `route` is the
-entry the model calls: the fused Triton kernel (moe_routing_triton.py) where it runs and covers the shape,
-the reference elsewhere; `Routing` holds one model's choice of variant.
+scale, and delayed softmax (top-k on the raw logits, then softmax over the k chosen). A runner's kernels
+route (`TorchKernels.route`): the fused Triton kernel (moe_routing_triton.py) where it runs and covers the
+shape, the reference elsewhere; `Routing` holds one model's choice of variant.
 
 The gate is computed in float64 and rounded once to fp32, and selection runs on those fp32 values. Two
 implementations of an fp32 softmax or sigmoid differ in the last bit now and then, which flips the order of
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import SpecserveError
-from specserve.kernels.dispatch import triton_enabled
 
 GATINGS = ("softmax", "sigmoid")
 # The floor under the sum of the chosen weights before dividing by it (llama.cpp's: the smallest normal
@@ -39,7 +38,7 @@ def top_k_lower_id(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def _check(logits: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None, norm: bool,
+def check(logits: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None, norm: bool,
            delayed_softmax: bool) -> None:
     if logits.dim() != 2:
         raise SpecserveError(f"router logits must be [n_tokens, n_expert], got shape {tuple(logits.shape)}")
@@ -58,8 +57,15 @@ def _check(logits: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None,
 def route_ref(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | None = None, norm: bool = False,
               clamp: float = NORM_CLAMP, scale: float = 1.0,
               delayed_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of `route`: the gate in float64 rounded once to fp32, the rest in fp32."""
-    _check(logits, k, gating, bias, norm, delayed_softmax)
+    """Each token's k experts: ids [n, k] (long, largest weight first, ties to the lower id) and weights
+    [n, k] (fp32).
+
+    gating: "softmax" or "sigmoid" over the logits. bias [n_expert]: added to the gated values for
+    selection only; the weights are the un-biased gated values. norm: weights divided by max(their sum,
+    clamp). scale: weights multiplied by it. delayed_softmax: top-k on the raw logits, then softmax over
+    the k chosen (softmax gating, without norm or bias). The gate in float64 rounded once to fp32, the rest in
+    fp32; the fused kernel (moe_routing_triton) gives the same ids and weights within fp32 rounding."""
+    check(logits, k, gating, bias, norm, delayed_softmax)
     x = logits.float()
     if delayed_softmax:
         ids = top_k_lower_id(x, k)
@@ -76,33 +82,10 @@ def route_ref(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor |
     return ids, weights
 
 
-def route(logits: torch.Tensor, k: int, *, gating: str, bias: torch.Tensor | None = None, norm: bool = False,
-          clamp: float = NORM_CLAMP, scale: float = 1.0,
-          delayed_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k experts: ids [n, k] (long, largest weight first, ties to the lower id) and weights
-    [n, k] (fp32).
-
-    gating: "softmax" or "sigmoid" over the logits. bias [n_expert]: added to the gated values for
-    selection only; the weights are the un-biased gated values. norm: weights divided by max(their sum,
-    clamp). scale: weights multiplied by it. delayed_softmax: top-k on the raw logits, then softmax over
-    the k chosen (softmax gating, without norm or bias).
-
-    The fused Triton kernel runs where Triton does (CUDA tensors, or the interpreter) on float logits of
-    FUSED_N_EXPERT experts; every other call runs `route_ref`. Both give the same ids and weights within
-    fp32 rounding."""
-    _check(logits, k, gating, bias, norm, delayed_softmax)
-    if logits.shape[1] in FUSED_N_EXPERT and logits.dtype in FUSED_DTYPES and triton_enabled(logits):
-        from specserve.kernels import moe_routing_triton
-
-        return moe_routing_triton.route(logits, k, gating=gating, bias=bias, norm=norm, clamp=clamp, scale=scale,
-                                        delayed_softmax=delayed_softmax)
-    return route_ref(logits, k, gating=gating, bias=bias, norm=norm, clamp=clamp, scale=scale,
-                     delayed_softmax=delayed_softmax)
-
-
 @dataclass(frozen=True)
 class Routing:
-    """One model's routing variant (the keyword arguments of `route`), applied to router logits."""
+    """One model's routing variant: the keyword arguments of `route_ref` (a runner's kernels route by it,
+    `TorchKernels.route`)."""
 
     k: int
     gating: str = "softmax"
@@ -110,7 +93,4 @@ class Routing:
     norm: bool = False
     scale: float = 1.0
     delayed_softmax: bool = False
-
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(logits, self.k, gating=self.gating, bias=self.bias, norm=self.norm, scale=self.scale,
-                     delayed_softmax=self.delayed_softmax)
+    clamp: float = NORM_CLAMP

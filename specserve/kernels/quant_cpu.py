@@ -194,18 +194,14 @@ def _plan(w: QuantWeight, kernel: str) -> _Plan:
     return plan
 
 
-def product(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, silu_input: bool,
-            out_dtype: torch.dtype | None) -> torch.Tensor | None:
-    """kernels.linear's product on these kernels (silu(gate) * up of x first with silu_input), or None where they
-    do not take it (`available`: also for how many rows)."""
+def product(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+            silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+    """A linear product on these kernels (silu_mul of x first where given: x is then [gate | up]), or None where
+    they do not take it (`available`: also for how many rows)."""
     kernel = kernel_for(w)  # (once a product: it reads the environment)
     if not available(x, w, kernel):  # (row count, dtype and device: the same before and after SwiGLU)
         return None
-    if silu_input:
-        from specserve.kernels.activation import silu_mul
-
-        x = silu_mul(x)
-    y = gemv(x, w, kernel)
+    y = gemv(x if silu_mul is None else silu_mul(x), w, kernel)
     y = y if bias is None else y + bias
     return y if out_dtype is None else y.to(out_dtype)
 

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels.linear import dequantize
-from specserve.kernels.quant_weight import QuantWeight, concat_quant
+from specserve.kernels.quant_weight import QuantWeight, concat_quant, dequantize_ref
 from specserve.kernels.quant_weight import quantize_q8 as quantize_matrix_q8
 
 
@@ -36,7 +35,7 @@ class QuantExperts:
                            self.w.group, self.w.u_max)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.w, dtype).view(self.shape)
+        return dequantize_ref(self.w, dtype).view(self.shape)
 
     def to(self, device: torch.device | str) -> QuantExperts:
         w = self.w

@@ -7,10 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels import cpu_ops
-from specserve.kernels.dispatch import triton_enabled
 from specserve.kernels.kv_format import store_rows
-from specserve.kernels.rmsnorm import rms_norm
 
 
 def rope_cos_sin(rope_dim: int, base: float, max_pos: int, scale: float = 1.0,
@@ -59,38 +56,6 @@ def rope_and_cache_ref(
     store_rows(k_cache, blocks, offsets, apply_rope(k, cos, sin, style))
     store_rows(v_cache, blocks, offsets, v)
     return apply_rope(q, cos, sin, style)
-
-
-def rope_and_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-    positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, style: str,
-    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor:
-    """rope_and_cache_ref; head_norms (q weight, k weight, eps): each q and k head RMS-normalised first (in the
-    same launch where Triton runs)."""
-    if triton_enabled(q) and 2 * cos_table.shape[-1] == q.shape[-1]:
-        from specserve.kernels import kv_pack_triton, rope_triton
-
-        if k_cache.dtype == v_cache.dtype == q.dtype:
-            return rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, slots,
-                                              k_cache, v_cache, style, head_norms)
-        if kv_pack_triton.takes(q.shape[-1]):  # -ctk/-ctv: rotate into staging rows, then store them as each type
-            staged = torch.empty((2, k.shape[0], k.shape[1], 1, k.shape[2]), dtype=q.dtype, device=q.device)
-            rows = torch.arange(k.shape[0], device=q.device)
-            q_out = rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, rows, staged[0],
-                                               staged[1], style, head_norms)
-            for cache, new in ((k_cache, staged[0, :, :, 0]), (v_cache, staged[1, :, :, 0])):
-                if cache.dtype == torch.uint8:
-                    kv_pack_triton.pack_rows(new, slots, cache)
-                else:
-                    size = cache.shape[2]
-                    store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, new)
-            return q_out
-    if head_norms is not None:
-        q, k = rms_norm(q, head_norms[0], head_norms[2]), rms_norm(k, head_norms[1], head_norms[2])
-    if cpu_ops.rope_takes(q, k, v, positions, slots, k_cache, v_cache) and cos_table.dtype == torch.float32:
-        return cpu_ops.rope_and_cache(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
-    return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Decoder-step ops: RMSNorm -> product (+ RoPE and the KV write) -> add to the residual stream.
 
-The model calls them on a `ResidualStream`; whether they fold the norms, RoPE and the adds into the products
-(the tensor-core kernel: `linear_fused`, `feed_forward`) or compose them (kernels.linear's `linear`) is decided
-here, once per step for all of its ops (`StepFusion`).
+The model calls them on a `ResidualStream`, which carries the runner's kernels (backend.py chose them when the
+runner was built); whether they fold the norms, RoPE and the adds into the products (the tensor-core kernel:
+`linear_fused`, `feed_forward`) or compose them (the kernels' `linear`, `rms_norm`, ...) is decided here, once
+per step for all of its ops (`StepFusion`).
 """
 
 from __future__ import annotations
@@ -12,33 +13,16 @@ from typing import Protocol
 
 import torch
 
-from specserve.kernels import batch_invariant
-from specserve.kernels.activation import silu_mul
-from specserve.kernels.dispatch import triton_enabled
-from specserve.kernels.linear import dense_copy, linear
 from specserve.kernels.low_rank import LowRank, with_low_rank
-from specserve.kernels.quant_weight import MAX_SLICED_ROWS, QuantWeight, Weight
-from specserve.kernels.rmsnorm import add_rms_norm, rms_norm
-from specserve.kernels.rope import RopeWrite, rope_and_cache
-
-
-def fusable(x: torch.Tensor, w: Weight, norm_input: bool = False) -> bool:
-    """The tensor-core kernel takes x @ w^T (a decode or verify step over packed weights), and with
-    norm_input it can fold in the RMSNorm of x (K staged whole). Such products can also add into a
-    residual stream (`linear_fused`) and apply SwiGLU to their output (`feed_forward`)."""
-    rows = x.numel() // x.shape[-1]
-    if not (isinstance(w, QuantWeight) and (rows <= MAX_SLICED_ROWS or batch_invariant.applies(x))
-            and triton_enabled(x)) or dense_copy(x, w) is not None:
-        return False
-    from specserve.kernels import quant_cuda
-
-    return quant_cuda.usable(x, w, None, x.dtype) == "gemv_mma" and (not norm_input or quant_cuda.norm_fusable(w))
+from specserve.kernels.quant_weight import QuantWeight, Weight
+from specserve.kernels.rope import RopeWrite
+from specserve.kernels.torch_kernels import TorchKernels
 
 
 def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
                  norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
                  rope: RopeWrite | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """linear() on the tensor-core kernel (`fusable` says when) with the RMSNorm of x, norm = (weight,
+    """A product on the tensor-core kernel (`TorchKernels.fusable` says when) with the RMSNorm of x, norm = (weight,
     eps), folded into its input, and its result added to `add_to` in place (then returned), or, for a
     [q | k | v] matrix, rotated (RoPE) with k and v written to the KV cache and q returned. Same
     roundings as rms_norm, linear, a bf16 addition, rope_and_cache."""
@@ -48,8 +32,8 @@ def linear_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
                             rope=rope)
 
 
-def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tuple[torch.Tensor, float] | None = None,
-                 add_to: torch.Tensor | None = None,
+def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, kernels: TorchKernels, *,
+                 norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
                  adapters: tuple[LowRank | None, LowRank | None, torch.Tensor] | None = None) -> torch.Tensor:
     """down(silu(gate) * up) with [gate | up] = x @ w_gate_up^T. Where both products are `fusable`,
     SwiGLU runs in gate_up's output (down then stages plain activations), and norm / add_to fold in as
@@ -58,16 +42,17 @@ def feed_forward(x: torch.Tensor, w_gate_up: Weight, w_down: Weight, *, norm: tu
     products' LowRank and the rows' adapter scales (composed, never fused)."""
     if adapters is not None:
         gate_up, down, scales = adapters
-        act = silu_mul(with_low_rank(linear(x, w_gate_up), x, gate_up, scales))
-        return with_low_rank(linear(act, w_down), act, down, scales)
-    if fusable(x, w_gate_up, norm is not None) and fusable(x, w_down) and w_gate_up.shape[0] % 16 == 0:
+        act = kernels.silu_mul(with_low_rank(kernels.linear(x, w_gate_up), x, gate_up, scales))
+        return with_low_rank(kernels.linear(act, w_down), act, down, scales)
+    if (kernels.fusable(x, w_gate_up, norm is not None) and kernels.fusable(x, w_down)
+            and w_gate_up.shape[0] % 16 == 0):
         assert isinstance(w_gate_up, QuantWeight) and isinstance(w_down, QuantWeight)  # (fusable: packed)
         from specserve.kernels import quant_cuda
 
         act = quant_cuda.gemv(x, w_gate_up, None, False, x.dtype, kernel="gemv_mma", swiglu_output=True, norm=norm)
         return quant_cuda.gemv(act, w_down, None, False, x.dtype, kernel="gemv_mma", add_to=add_to)
     assert norm is None and add_to is None, "RMSNorm and the residual add fold in only on the tensor-core kernel"
-    return linear(linear(x, w_gate_up), w_down, silu_input=True)
+    return kernels.linear(kernels.linear(x, w_gate_up), w_down, silu_input=True)
 
 
 class ResidualStream:
@@ -75,19 +60,20 @@ class ResidualStream:
 
     fused: each op folds the RMSNorm it needs into its product and adds its output in place, so
     `residual` is always current. Otherwise a sub-layer's output waits in `pending` for the next RMSNorm,
-    which adds it in the same kernel (add_rms_norm)."""
+    which adds it in the same kernel (add_rms_norm). kernels: the runner's, which its ops run on."""
 
-    def __init__(self, x: torch.Tensor, fused: bool) -> None:
+    def __init__(self, x: torch.Tensor, fused: bool, kernels: TorchKernels) -> None:
         self.residual = x
         self.pending: torch.Tensor | None = None
         self.fused = fused
+        self.kernels = kernels
         self.adapter_scales: torch.Tensor | None = None  # [rows, n_adapters] where adapters are loaded (low_rank.py)
 
     def normed(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of the stream, with the pending output added first (unfused ops)."""
         if self.pending is None:
-            return rms_norm(self.residual, weight, eps)
-        h, self.residual = add_rms_norm(self.pending, self.residual, weight, eps)
+            return self.kernels.rms_norm(self.residual, weight, eps)
+        h, self.residual = self.kernels.add_rms_norm(self.pending, self.residual, weight, eps)
         self.pending = None
         return h
 
@@ -126,12 +112,12 @@ class NormQKVRope:
     adapters: LowRank | None = None
     cache_in_epilogue: bool = True  # False where K or V is stored in another type (-ctk/-ctv): rope_and_cache writes
 
-    def fusable(self, x: torch.Tensor) -> bool:
+    def fusable(self, x: torch.Tensor, kernels: TorchKernels) -> bool:
         """The epilogue rotates whole heads of a multiple of 16 values, has no per-head RMSNorm and writes
         compute-dtype cache rows."""
         rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
                    and self.style in ("neox", "interleaved") and self.adapters is None and self.cache_in_epilogue)
-        return rope_ok and fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
+        return rope_ok and kernels.fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, slots: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -143,14 +129,14 @@ class NormQKVRope:
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
             return q.view(n, self.n_heads, self.head_dim)
         h = stream.normed(self.norm, self.eps)
-        qkv = with_low_rank(linear(h, self.w, self.bias), h, self.adapters, stream.adapter_scales)
+        qkv = with_low_rank(stream.kernels.linear(h, self.w, self.bias), h, self.adapters, stream.adapter_scales)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(n, self.n_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, self.n_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(n, self.n_kv_heads, self.head_dim)
         head_norms = (*self.head_norms, self.eps) if self.head_norms is not None else None
-        return rope_and_cache(q, k, v, self.cos, self.sin, positions, slots, k_cache, v_cache, self.style,
-                              head_norms)
+        return stream.kernels.rope_and_cache(q, k, v, self.cos, self.sin, positions, slots, k_cache, v_cache,
+                                             self.style, head_norms)
 
 
 @dataclass
@@ -160,15 +146,15 @@ class LinearAdd:
     w: Weight
     adapters: LowRank | None = None
 
-    def fusable(self, x: torch.Tensor) -> bool:
-        return self.adapters is None and fusable(x, self.w)
+    def fusable(self, x: torch.Tensor, kernels: TorchKernels) -> bool:
+        return self.adapters is None and kernels.fusable(x, self.w)
 
     def __call__(self, stream: ResidualStream, x: torch.Tensor) -> None:
         if stream.fused:
             assert isinstance(self.w, QuantWeight)  # a fused step's ops are fusable: packed
             linear_fused(x, self.w, add_to=stream.residual)
         else:
-            stream.add(with_low_rank(linear(x, self.w), x, self.adapters, stream.adapter_scales))
+            stream.add(with_low_rank(stream.kernels.linear(x, self.w), x, self.adapters, stream.adapter_scales))
 
 
 @dataclass
@@ -182,19 +168,19 @@ class NormFeedForwardAdd:
     gate_up_adapters: LowRank | None = None
     down_adapters: LowRank | None = None
 
-    def fusable(self, x: torch.Tensor) -> bool:
+    def fusable(self, x: torch.Tensor, kernels: TorchKernels) -> bool:
         return (self.gate_up_adapters is None and self.down_adapters is None
-                and fusable(x, self.w_gate_up, norm_input=True) and fusable(x, self.w_down)
+                and kernels.fusable(x, self.w_gate_up, norm_input=True) and kernels.fusable(x, self.w_down)
                 and self.w_gate_up.shape[0] % 16 == 0 and self.norm.dtype == torch.bfloat16)
 
     def __call__(self, stream: ResidualStream) -> None:
         if stream.fused:
-            feed_forward(stream.residual, self.w_gate_up, self.w_down, norm=(self.norm, self.eps),
+            feed_forward(stream.residual, self.w_gate_up, self.w_down, stream.kernels, norm=(self.norm, self.eps),
                          add_to=stream.residual)
         else:
             scales = stream.adapter_scales
             adapters = None if scales is None else (self.gate_up_adapters, self.down_adapters, scales)
-            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down,
+            stream.add(feed_forward(stream.normed(self.norm, self.eps), self.w_gate_up, self.w_down, stream.kernels,
                                     adapters=adapters))
 
 
@@ -211,15 +197,15 @@ class NormLinear:
 
     def __call__(self, stream: ResidualStream) -> torch.Tensor:
         if (stream.fused and self.adapters is None and isinstance(self.w, QuantWeight)
-                and fusable(stream.residual, self.w, norm_input=True)):
+                and stream.kernels.fusable(stream.residual, self.w, norm_input=True)):
             return linear_fused(stream.residual, self.w, norm=(self.norm, self.eps), out_dtype=self.out_dtype)
         h = stream.normed(self.norm, self.eps)
-        y = linear(h, self.w, out_dtype=self.out_dtype)
+        y = stream.kernels.linear(h, self.w, out_dtype=self.out_dtype)
         return with_low_rank(y, h, self.adapters, stream.adapter_scales)
 
 
 class StepOp(Protocol):
-    def fusable(self, x: torch.Tensor) -> bool:
+    def fusable(self, x: torch.Tensor, kernels: TorchKernels) -> bool:
         """Whether the op can fold its norm and add into its product for a step whose residual stream is x."""
         ...
 
@@ -229,12 +215,13 @@ class StepFusion:
     current after every op, else added to by the next RMSNorm; a mix would need separate adds where the two
     meet. Decided once per row count (the step's shapes fix it)."""
 
-    def __init__(self, ops: list[StepOp]) -> None:
+    def __init__(self, ops: list[StepOp], kernels: TorchKernels) -> None:
         self.ops = ops
+        self.kernels = kernels
         self._by_rows: dict[int, bool] = {}
 
     def stream(self, x: torch.Tensor) -> ResidualStream:
         rows = x.shape[0]
         if rows not in self._by_rows:
-            self._by_rows[rows] = all(op.fusable(x) for op in self.ops)
-        return ResidualStream(x, self._by_rows[rows])
+            self._by_rows[rows] = all(op.fusable(x, self.kernels) for op in self.ops)
+        return ResidualStream(x, self._by_rows[rows], self.kernels)

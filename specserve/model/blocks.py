@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.attention import attention
 from specserve.kernels.rope import rope_cos_sin
 from specserve.kernels.step_ops import LinearAdd, NormFeedForwardAdd, NormLinear, NormQKVRope, ResidualStream, StepOp
 from specserve.model.config import ModelConfig
@@ -61,7 +60,7 @@ class AttentionBlock:
                  kv: KVStep) -> None:
         k_cache, v_cache = kv.layers[self.layer_idx]
         q = self.qkv(stream, positions, kv.slots, k_cache, v_cache)
-        attn = attention(q, k_cache, v_cache, positions, seq_ids, kv.table, runs, self.scale)
+        attn = stream.kernels.attention(q, k_cache, v_cache, positions, seq_ids, kv.table, runs, self.scale)
         self.out(stream, attn.view(q.shape[0], self.q_size))
 
 

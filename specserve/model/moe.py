@@ -14,8 +14,8 @@ from typing import Any
 from gguf.constants import Keys
 
 from specserve.errors import SpecserveError
-from specserve.kernels.moe_experts import NormMoeAdd, SharedExpert
 from specserve.kernels.moe_routing import GATINGS, Routing
+from specserve.kernels.moe_step import NormMoeAdd, SharedExpert
 from specserve.kernels.step_ops import ResidualStream, StepOp
 from specserve.model.blocks import AttentionBlock, DecoderLayer, DenseFeedForward, RopeTables
 from specserve.model.config import ModelConfig, decoder_fields

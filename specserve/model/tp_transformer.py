@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.step_ops import ResidualStream
+from specserve.kernels.torch_kernels import TorchKernels
 from specserve.model.tp_layout import ShardLayout
 from specserve.model.transformer import Transformer
 from specserve.model.weights import ModelWeights
@@ -40,8 +41,8 @@ class ShardedStream(ResidualStream):
     over the ranks before it joins the stream. Unfused (the float matrices tensor parallelism loads never
     fuse), so `add` is the one place every sub-layer output passes."""
 
-    def __init__(self, x: torch.Tensor, comm: Collectives) -> None:
-        super().__init__(x, fused=False)
+    def __init__(self, x: torch.Tensor, comm: Collectives, kernels: TorchKernels) -> None:
+        super().__init__(x, fused=False, kernels=kernels)
         self._comm = comm
 
     def add(self, y: torch.Tensor) -> None:
@@ -51,8 +52,9 @@ class ShardedStream(ResidualStream):
 class ShardedTransformer(Transformer):
     """Transformer over one rank's shard (the layers are the family's own, built on the shard's numbers)."""
 
-    def __init__(self, layout: ShardLayout, weights: ModelWeights, max_positions: int, comm: Collectives):
-        super().__init__(layout.local_config, weights, max_positions)
+    def __init__(self, layout: ShardLayout, weights: ModelWeights, max_positions: int, comm: Collectives,
+                 kernels: TorchKernels):
+        super().__init__(layout.local_config, weights, max_positions, kernels)
         self.layout = layout
         self.comm = comm
 
@@ -64,7 +66,7 @@ class ShardedTransformer(Transformer):
         return self.comm.all_reduce(torch.where(mine[:, None], rows, torch.zeros_like(rows)))
 
     def input_stream(self, tokens: torch.Tensor) -> ResidualStream:
-        return ShardedStream(self.embed_tokens(tokens), self.comm)
+        return ShardedStream(self.embed_tokens(tokens), self.comm, self.kernels)
 
     def logits(self, stream: ResidualStream) -> torch.Tensor:
         """All the vocabulary's fp32 logits on every rank."""

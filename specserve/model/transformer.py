@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from specserve.kernels.step_ops import NormQKVRope, ResidualStream, StepFusion, StepOp
+from specserve.kernels.torch_kernels import TorchKernels
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
 from specserve.model.config import ModelConfig
 from specserve.model.kv_cache import KVStep
@@ -26,21 +27,23 @@ class AdapterRows(Protocol):
 class Transformer:
     """Stateless forward over given weights; the KV cache is passed in by the runner."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, max_positions: int):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_positions: int, kernels: TorchKernels):
+        """kernels: what the step's ops run on (kernels/backend.py's kernels_for the weights' device)."""
         self.config = config
         self.weights = weights
+        self.kernels = kernels
         rope = RopeTables.for_config(config, max_positions, weights.embed.device)
         decoder_layer = family(config.arch).decoder_layer
         self.layers = [decoder_layer(config, i, lw, rope) for i, lw in enumerate(weights.layers)]
         self.head = OutputHead(config, weights)
-        self.fusion = StepFusion(self._ops())
+        self.fusion = StepFusion(self._ops(), self.kernels)
         self.adapter_scales: AdapterRows | None = None  # (model/lora.py)
 
     def use_adapters(self, scales: AdapterRows) -> None:
         """Steps read each row's adapter scales from `scales.table` by sequence id (while `in_use`); the products
         that have adapters no longer fuse, so the step fusion is decided again."""
         self.adapter_scales = scales
-        self.fusion = StepFusion(self._ops())
+        self.fusion = StepFusion(self._ops(), self.kernels)
 
     def store_cache_apart(self) -> None:
         """K or V is stored in another type than the compute dtype (-ctk/-ctv): the [q | k | v] products leave the
@@ -48,7 +51,7 @@ class Transformer:
         for op in self._ops():
             if isinstance(op, NormQKVRope):
                 op.cache_in_epilogue = False
-        self.fusion = StepFusion(self._ops())
+        self.fusion = StepFusion(self._ops(), self.kernels)
 
     def _ops(self) -> list[StepOp]:
         return [op for layer in self.layers for op in layer.ops()]

@@ -18,10 +18,10 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
-from specserve.kernels.linear import dequantize
-from specserve.kernels.moe_experts import experts_stay_packed
+from specserve.kernels.backend import kernels_for
 from specserve.kernels.quant_experts import ExpertMatrix, QuantExperts
 from specserve.kernels.quant_weight import QuantWeight, Weight, concat_quant, dequantize_ref, quantize_q8
+from specserve.kernels.torch_kernels import TorchKernels
 from specserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def is_moe_layer(tensor_names: Container[str], layer: int) -> bool:
 @dataclass
 class ExpertWeights:
     """A mixture-of-experts feed-forward. With "gguf" or "q8", on a device where the packed-expert kernels
-    run (kernels.moe_experts.experts_stay_packed: CUDA, a CPU with the packed-weight kernels), the stacked
+    run (the device's kernels' `experts_packed`: CUDA, a CPU with the packed-weight kernels), the stacked
     expert tensors are `QuantExperts` (the file's blocks, or Q8_0 of the float values); elsewhere, or when a
     file's expert type cannot be packed, they are float in the runner's dtype (logged). The shared expert's
     matrices take the weight format like dense ones."""
@@ -138,7 +138,7 @@ def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
         return weights
     for layer in weights.layers:
         experts = layer.experts
-        if experts is not None and experts_stay_packed(experts.router.device):
+        if experts is not None and kernels_for(experts.router.device).experts_packed:
             for name in ("gate_up", "down"):
                 w = getattr(experts, name)
                 if isinstance(w, torch.Tensor):
@@ -154,17 +154,17 @@ def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
     return weights
 
 
-def add_dense_copies(weights: ModelWeights, dtype: torch.dtype, budget: int) -> int:
+def add_dense_copies(weights: ModelWeights, dtype: torch.dtype, budget: int, kernels: TorchKernels) -> int:
     """Give each packed matrix of the dense layers and the output head its dequantized copy in `dtype`
     (QuantWeight.dense: steps of many rows run on cuBLAS over it), if all of them fit in `budget` bytes.
-    Stacked experts get none. Returns the bytes added (0: none)."""
+    Stacked experts get none; kernels: the runner's, which dequantize. Returns the bytes added (0: none)."""
     found = [getattr(layer, name) for layer in weights.layers for name in MATRICES] + [weights.output]
     packed = list({id(w): w for w in found if isinstance(w, QuantWeight)}.values())
     need = sum(w.shape.numel() for w in packed) * torch.empty((), dtype=dtype).element_size()
     if not packed or need > budget:
         return 0
     for w in packed:
-        w.dense = dequantize(w, dtype)
+        w.dense = kernels.dequantize(w, dtype)
     return need
 
 
@@ -295,7 +295,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     """Tensors in `dtype`, the matrices in `weight_format` (see WEIGHT_FORMATS)."""
     weight_format = resolve_weight_format(weight_format)
     names = _tensor_names(gguf, config)
-    pack_experts = weight_format != "float" and experts_stay_packed(device)
+    pack_experts = weight_format != "float" and kernels_for(device).experts_packed
     tied_output = config.tied_embeddings and weight_format == "gguf"
     for name in names:
         gguf.tensor_shape(name)  # a missing tensor fails here, before any work
