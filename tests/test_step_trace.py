@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.engine import host_copy, scheduler, slot_results, step_trace
+from specserve.engine import step_trace
 from specserve.engine.generate import generate
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_generation_leaves_one_record_per_step(smollm_runner, smollm_tokenizer, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     trace = step_trace.StepTrace(str(tmp_path / "trace.json"))
-    for module in (scheduler, slot_results, host_copy):
-        monkeypatch.setattr(module, "TRACE", trace)
+    monkeypatch.setattr(step_trace, "TRACE", trace)
     prompt = smollm_tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
     gen = generate(smollm_runner, smollm_tokenizer, prompt, 12, spec=SpecParams(type="ngram-suffix"),
                    chain_factory=lambda spec, slot: build_chain(spec, None, seq=slot))

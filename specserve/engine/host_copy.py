@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.engine.step_trace import TRACE
+from specserve.engine import step_trace
 from specserve.kernels.cuda import driver as cuda_driver
 
 
@@ -41,10 +41,10 @@ class PinnedInputs:
         return self.array
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        if TRACE is None:
+        if step_trace.TRACE is None:
             graph.replay()
         else:
-            TRACE.replay(graph)
+            step_trace.TRACE.replay(graph)
         self.done.record()
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from specserve.engine import step_trace
 from specserve.engine.draft_gate import DraftGate
 from specserve.engine.kv_room import KVMemory, KVRoom, most_blocks
 from specserve.engine.runner import Runner
@@ -34,7 +35,6 @@ from specserve.engine.slot_jobs import JobQueue, JobWork
 from specserve.engine.slot_results import Settler
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
-from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
@@ -214,8 +214,8 @@ class Scheduler:
             outbox, self.settler.outbox = self.settler.outbox, None
             for handle, event in outbox:
                 handle.emit(event)
-            if TRACE is not None:
-                TRACE.mark(current.trace, "emitted")
+            if step_trace.TRACE is not None:
+                step_trace.TRACE.mark(current.trace, "emitted")
 
     def _admit(self) -> list[TaskHandle]:
         """(Under the lock.) Drop cancelled queued tasks; pop as many queued tasks as there are idle slots."""
@@ -307,8 +307,8 @@ class Scheduler:
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
         argmax. Rows take free KV blocks as they are added (kv_room.py); with no step in flight, running slots
         are preempted where a generating slot or, with none generating, every reading one finds no room."""
-        if TRACE is not None:
-            TRACE.planning()
+        if step_trace.TRACE is not None:
+            step_trace.TRACE.planning()
         room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
         fed = [e for e in in_flight or () if not e.prompt or e.final]
         chained = {e.slot.id for e in fed}
@@ -376,7 +376,7 @@ class Scheduler:
             return None
         try:
             need_logits = any(e.n_logits and not e.slot.greedy_only for e in plan.entries)
-            t_launch = TRACE.launching() if TRACE is not None else 0.0
+            t_launch = step_trace.TRACE.launching() if step_trace.TRACE is not None else 0.0
             step = self.runner.launch(plan.batch, plan.fed_rows(), logits=need_logits)
         except Exception as exc:
             log.exception("forward pass failed")
@@ -390,7 +390,7 @@ class Scheduler:
         with self._cond:
             self.counters.n_decode += 1
             self.counters.n_busy_slots += len(plan.entries)
-        trace = -1 if TRACE is None else TRACE.launched(
+        trace = -1 if step_trace.TRACE is None else step_trace.TRACE.launched(
             t_launch, len(plan.batch), any(e.draft or e.guess is not None for e in plan.entries),
             any(e.prompt for e in plan.entries))
         return InFlight(step, plan.entries, trace)

@@ -11,12 +11,12 @@ import time
 
 import torch
 
+from specserve.engine import step_trace
 from specserve.engine.draft_gate import chained_surplus, next_room
 from specserve.engine.runner import Runner
 from specserve.engine.slot_drafts import DraftPolicy
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState
 from specserve.engine.step_plan import Entry, InFlight
-from specserve.engine.step_trace import TRACE
 from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
@@ -59,11 +59,11 @@ class Settler:
         if not live:
             return
         greedy = [e.slot.greedy_only for e in live]
-        if TRACE is not None:
-            TRACE.mark(flight.trace, "wait")
+        if step_trace.TRACE is not None:
+            step_trace.TRACE.mark(flight.trace, "wait")
         tokens = flight.step.tokens() if any(greedy) else None
-        if TRACE is not None:
-            TRACE.mark(flight.trace, "ready")
+        if step_trace.TRACE is not None:
+            step_trace.TRACE.mark(flight.trace, "ready")
         logits = flight.step.logits() if not all(greedy) else None
         for e, argmax_only in zip(live, greedy, strict=True):
             if not e.current():
