@@ -8,7 +8,7 @@
 # a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
 #   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
-#   paged pool mixes]
+#   paged pool mixes kvtypes]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -76,6 +76,19 @@ for step in $steps; do
                     -o "$OUT/serve_${T}_cuda${sfx}_$mix.json" --server-args --weight-format "$FORMAT" \
                     ${SERVER_EXTRA:-} 2>&1 | tail -5
             done ;;
-        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes)" ;;
+        kvtypes) # -ctk/-ctv against the compute dtype through specserve serve: greedy text and pool size per type, then
+                 # 1 and 64 clients with and without q8_0 keys and values, alternating twice
+            timeout 300 python3 benchmarks/kv_types_check.py -m $T --device cuda --slots 64 --types default,q8_0,q4_0 \
+                -n 128 --prompts "$SPECSERVE_WORKLOADS" -o "$OUT/kv_types_${T}_cuda$sfx.json" \
+                --server-args --weight-format "$FORMAT" 2>&1 | tail -8
+            for round in 1 2; do
+                for kv in default q8_0; do
+                    flags=$([ $kv = default ] || echo "-ctk $kv -ctv $kv")
+                    timeout 200 python3 benchmarks/serve_bench.py -m $T --device cuda --clients 1,64 --requests 2 -n 128 \
+                        --modes none --prompts "$SPECSERVE_WORKLOADS" -o "$OUT/serve_${T}_cuda${sfx}_kv_${kv}_$round.json" \
+                        --server-args --weight-format "$FORMAT" $flags 2>&1 | tail -3 | sed "s/^/$kv round $round: /"
+                done
+            done ;;
+        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes kvtypes)" ;;
     esac
 done
