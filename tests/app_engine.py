@@ -11,6 +11,7 @@ import dataclasses
 import tempfile
 from functools import cache
 
+import openai
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
@@ -38,3 +39,8 @@ def app(**changes: object) -> FastAPI:
 
 def client(**changes: object) -> TestClient:
     return TestClient(app(**changes))
+
+
+def openai_client(http: TestClient, api_key: str = "x") -> openai.OpenAI:
+    """The official client over the in-process app (the TestClient is an httpx client, as the openai client's own)."""
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)

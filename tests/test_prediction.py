@@ -82,12 +82,11 @@ def test_a_task_with_a_prediction_writes_greedy_text_in_fewer_steps(smollm_runne
 def test_predicted_outputs_through_the_openai_client() -> None:
     """`prediction` on chat completions, as OpenAI's client sends it: the same text as without, in fewer steps, and
     usage says how many prediction tokens the answer took; /v1/completions and /completion take it too."""
-    import openai
 
     from tests import app_engine
 
     http = app_engine.client()
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    client = app_engine.openai_client(http)
     messages = [{"role": "user", "content": "Write the numbers from one to twelve in words, comma separated."}]
     plain = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40,
                                            extra_body={"speculative.n_max": 0})

@@ -217,7 +217,7 @@ def http() -> TestClient:
 
 @pytest.fixture(scope="module")
 def client(http: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    return app_engine.openai_client(http)
 
 
 def create(client: openai.OpenAI, **fields: Any) -> Any:
@@ -322,9 +322,9 @@ def test_bad_request_is_400(client: openai.OpenAI) -> None:
 def test_with_an_api_key() -> None:
     app = create_app(app_engine.SETTINGS, api_key="secret", engine=app_engine.engine())
     http = TestClient(app)
-    keyed = openai.OpenAI(base_url="http://testserver/v1", api_key="secret", http_client=http, max_retries=0)
+    keyed = app_engine.openai_client(http, "secret")
     assert create(keyed, input="Hi", max_output_tokens=1).status == "incomplete"
-    wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
+    wrong = app_engine.openai_client(http, "wrong")
     with pytest.raises(openai.AuthenticationError):
         create(wrong, input="Hi", max_output_tokens=1)
 

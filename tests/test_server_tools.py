@@ -230,8 +230,7 @@ def http() -> TestClient:
 
 @pytest.fixture(scope="module")
 def client(http: TestClient) -> openai.OpenAI:
-    # (the TestClient is an httpx2 client, as the openai client's own: requests go to the in-process app)
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    return app_engine.openai_client(http)
 
 
 def ask(client: openai.OpenAI, **fields: Any) -> Any:
