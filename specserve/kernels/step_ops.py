@@ -110,13 +110,13 @@ class NormQKVRope:
     n_kv_heads: int
     head_dim: int
     adapters: LowRank | None = None
-    cache_in_epilogue: bool = True  # False where K or V is stored in another type (-ctk/-ctv): rope_and_cache writes
+    cache_apart: bool = False  # K or V stored in another type (-ctk/-ctv): rotated rows are staged, then stored
 
     def fusable(self, x: torch.Tensor, kernels: TorchKernels) -> bool:
         """The epilogue rotates whole heads of a multiple of 16 values, has no per-head RMSNorm and writes
-        compute-dtype cache rows."""
+        compute-dtype rows (staging rows, where the cache is stored apart)."""
         rope_ok = (2 * self.cos.shape[-1] == self.head_dim and self.head_dim % 16 == 0 and self.head_norms is None
-                   and self.style in ("neox", "interleaved") and self.adapters is None and self.cache_in_epilogue)
+                   and self.style in ("neox", "interleaved") and self.adapters is None)
         return rope_ok and kernels.fusable(x, self.w, norm_input=True) and self.norm.dtype == torch.bfloat16
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, slots: torch.Tensor,
@@ -124,9 +124,18 @@ class NormQKVRope:
         n = stream.residual.shape[0]
         if stream.fused:
             assert isinstance(self.w, QuantWeight)  # a fused step's ops are fusable: packed
-            rope = RopeWrite(self.cos, self.sin, positions, slots, k_cache, v_cache, self.n_heads, self.n_kv_heads,
-                             self.style)
+            if not self.cache_apart:
+                rope = RopeWrite(self.cos, self.sin, positions, slots, k_cache, v_cache, self.n_heads,
+                                 self.n_kv_heads, self.style)
+                q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
+                return q.view(n, self.n_heads, self.head_dim)
+            # the epilogue writes rows of one-position blocks, which are then stored as the cache's types
+            staged = torch.empty((2, n, self.n_kv_heads, 1, self.head_dim), dtype=stream.residual.dtype,
+                                 device=stream.residual.device)
+            rope = RopeWrite(self.cos, self.sin, positions, torch.arange(n, device=slots.device), staged[0],
+                             staged[1], self.n_heads, self.n_kv_heads, self.style)
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
+            stream.kernels.store_staged(staged, slots, k_cache, v_cache)
             return q.view(n, self.n_heads, self.head_dim)
         h = stream.normed(self.norm, self.eps)
         qkv = with_low_rank(stream.kernels.linear(h, self.w, self.bias), h, self.adapters, stream.adapter_scales)

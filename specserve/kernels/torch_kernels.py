@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from specserve.kernels.activation import silu_mul_ref
 from specserve.kernels.attention import attention_ref
+from specserve.kernels.kv_format import store_rows
 from specserve.kernels.moe_experts import moe_experts_ref
 from specserve.kernels.moe_routing import Routing, route_ref
 from specserve.kernels.quant_experts import ExpertMatrix, QuantExperts
@@ -66,6 +67,14 @@ class TorchKernels:
                    v_cache: torch.Tensor, style: str) -> torch.Tensor:
         """rope_and_cache without head norms."""
         return rope_and_cache_ref(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
+
+    def store_staged(self, staged: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> None:
+        """Rows of K and V (staged [2, rows, n_kv_heads, 1, head_dim], in the compute dtype) into each row's slot of
+        the caches, in each cache's type (kv_format.py)."""
+        for cache, new in ((k_cache, staged[0, :, :, 0]), (v_cache, staged[1, :, :, 0])):
+            size = cache.shape[2]
+            store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, new)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:

@@ -69,13 +69,20 @@ class TritonKernels(TorchKernels):
         rows = torch.arange(k.shape[0], device=q.device)
         q_out = rope_triton.rope_and_cache(q, k, v, cos_table, sin_table, positions, rows, staged[0], staged[1],
                                            style, head_norms)
+        self.store_staged(staged, slots, k_cache, v_cache)
+        return q_out
+
+    def store_staged(self, staged: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> None:
+        """Packed caches (q8_0, q4_0) through the Triton packing kernel, where it takes the head size."""
+        if not kv_pack_triton.takes(staged.shape[-1]):
+            return super().store_staged(staged, slots, k_cache, v_cache)
         for cache, new in ((k_cache, staged[0, :, :, 0]), (v_cache, staged[1, :, :, 0])):
             if cache.dtype == torch.uint8:
                 kv_pack_triton.pack_rows(new, slots, cache)
             else:
                 size = cache.shape[2]
                 store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, new)
-        return q_out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:

@@ -46,11 +46,11 @@ class Transformer:
         self.fusion = StepFusion(self._ops(), self.kernels)
 
     def store_cache_apart(self) -> None:
-        """K or V is stored in another type than the compute dtype (-ctk/-ctv): the [q | k | v] products leave the
-        cache write to rope_and_cache instead of their epilogue, so the step fusion is decided again."""
+        """K or V is stored in another type than the compute dtype (-ctk/-ctv): the [q | k | v] products write their
+        rotated rows to staging rows, which are then stored as each type (NormQKVRope.cache_apart)."""
         for op in self._ops():
             if isinstance(op, NormQKVRope):
-                op.cache_in_epilogue = False
+                op.cache_apart = True
         self.fusion = StepFusion(self._ops(), self.kernels)
 
     def _ops(self) -> list[StepOp]:
