@@ -16,7 +16,10 @@ FORMAT="${FORMAT:-float}"  # weight format of bench, spec and serve (float or gg
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
-export SPECSERVE_WORKLOADS="${SPECSERVE_WORKLOADS:-$PWD/../shared/workloads/prompts.json}"
+# the workloads: ../shared's where the checkout has it, else the copy carried in .whl/
+shared_prompts="$PWD/../shared/workloads/prompts.json"
+[ -f "$shared_prompts" ] || shared_prompts="$PWD/.whl/prompts.json"
+export SPECSERVE_WORKLOADS="${SPECSERVE_WORKLOADS:-$shared_prompts}"
 T=qwen2.5-coder-1.5b
 D=qwen2.5-coder-0.5b
 sfx=$([ "$FORMAT" = float ] && echo "" || echo "_$FORMAT")  # the results' file names, as in benchmarks/results/
