@@ -80,14 +80,15 @@ def edit_prompt(instruction: str, name: str, text: str) -> str:
 
 
 def load_edits(path: Path = EDITS) -> list[Item]:
-    """The edit tasks of edits.json, each with its file read (paths are relative to the JSON's folder)."""
+    """The edit tasks of edits.json, each with its file read (paths are relative to the JSON's folder; a file is
+    stored as NAME.py.txt and named NAME.py in the prompt)."""
     data = json.loads(path.read_text())
     items = []
     for task in data["tasks"]:
         file = path.parent / task["file"]
         text = file.read_text()
         items.append(Item(workload="edits", id=task["id"], kind=task["kind"],
-                          messages=[{"role": "user", "content": edit_prompt(task["instruction"], file.name, text)}],
+                          messages=[{"role": "user", "content": edit_prompt(task["instruction"], file.name.removesuffix(".txt"), text)}],
                           sized_by=text, prediction=text))
     return items
 

@@ -65,3 +65,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.test_types import start_mypy
 
         start_mypy()
+
+
+@pytest.fixture(scope="module")
+def http():
+    """The in-process app (tests/app_engine.py), one per test module: the official clients' http_client."""
+    from tests import app_engine
+
+    return app_engine.client()

@@ -152,11 +152,6 @@ def test_blocks_of_a_reasoned_call() -> None:
 
 
 @pytest.fixture(scope="module")
-def http() -> TestClient:
-    return app_engine.client()
-
-
-@pytest.fixture(scope="module")
 def client(http: TestClient) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http, max_retries=0)
 

@@ -211,11 +211,6 @@ def test_items_of_a_reasoned_call() -> None:
 
 
 @pytest.fixture(scope="module")
-def http() -> TestClient:
-    return app_engine.client()
-
-
-@pytest.fixture(scope="module")
 def client(http: TestClient) -> openai.OpenAI:
     return app_engine.openai_client(http)
 

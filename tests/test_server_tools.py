@@ -224,11 +224,6 @@ def test_decoder_keeps_the_marker_tokens_asked_for() -> None:
 
 
 @pytest.fixture(scope="module")
-def http() -> TestClient:
-    return app_engine.client()
-
-
-@pytest.fixture(scope="module")
 def client(http: TestClient) -> openai.OpenAI:
     return app_engine.openai_client(http)
 
