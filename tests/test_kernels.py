@@ -24,6 +24,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs Triton and a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
 
+import triton  # noqa: E402  (after the skip: Triton is installed here)
+import triton.language as tl  # noqa: E402
+
+from specserve.kernels.attention_triton import _load_rows  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 TOL = 2e-2 if DEVICE == "cuda" else 1e-4
@@ -525,3 +530,32 @@ def test_sixteen_row_slices_in_one_launch_match_their_own_launches(fold: str) ->
     assert torch.equal(caches, pieces_kv)
     if fold == "rope":
         assert caches.abs().sum() > 0
+
+
+
+
+@triton.jit
+def _load_packed(c_ptr, rows_ptr, out_ptr, n_valid, ROW: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """BLOCK rows through the attention kernel's row loader, into out [BLOCK, HEAD_DIM]."""
+    n = tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    rows = tl.load(rows_ptr + n).to(tl.int64) * ROW
+    x = _load_rows(c_ptr, rows, d, n < n_valid, BITS, HEAD_DIM, BLOCK)
+    tl.store(out_ptr + n[:, None] * HEAD_DIM + d[None, :], x)
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decodes_packed_rows_exactly(name: str, head_dim: int) -> None:
+    """The attention kernel's row loader gives a packed row's decoded values (kv_format's decode) bit for bit,
+    each group's scale read once and spread over its 32 values; masked rows load as zeros."""
+    from specserve.kernels.kv_format import FORMATS
+
+    fmt = FORMATS[name]
+    packed = fmt.encode(torch.randn(40, head_dim) * 3).to(DEVICE)
+    picked = torch.randperm(40)[:16].to(torch.int32).to(DEVICE)
+    out = torch.full((16, head_dim), float("nan"), device=DEVICE)
+    _load_packed[(1,)](packed, picked, out, 13, packed.shape[1], fmt.code_bits, head_dim, 16)
+    want = fmt.decode(packed.cpu(), head_dim, torch.float32)[picked.cpu().long()]
+    want[13:] = 0
+    assert torch.equal(out.cpu(), want)

@@ -27,17 +27,18 @@ MAX_SPLITS = 64  # the merge holds every split of a row at once
 
 
 @triton.jit
-def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Keys or values [BLOCK, HEAD_DIM] whose rows start at `rows` (storage elements): float rows as stored
+def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys or values [BLOCK, HEAD_DIM] whose BLOCK rows start at `rows` (storage elements): float rows as stored
     (BITS 0), packed q8_0 / q4_0 rows (kernels/kv_format.py) decoded to fp32."""
     if BITS == 0:
         out = tl.load(c_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
     else:
-        # each value reads its group's fp16 scale, after the row's HEAD_DIM * BITS / 8 code bytes (32 neighbours
-        # share an address, served from cache)
-        scale_at = (c_ptr + rows[:, None] + HEAD_DIM * BITS // 8 + (d[None, :] // 32) * 2).to(
-            tl.pointer_type(tl.float16))
-        scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)
+        # a row's HEAD_DIM / 32 fp16 scales follow its HEAD_DIM * BITS / 8 code bytes: loaded once a group and
+        # spread over the group's 32 values (not a load per value)
+        g = tl.arange(0, HEAD_DIM // 32)
+        scale_at = (c_ptr + rows[:, None] + HEAD_DIM * BITS // 8 + g[None, :] * 2).to(tl.pointer_type(tl.float16))
+        group_scale = tl.load(scale_at, mask=mask[:, None], other=0.0).to(tl.float32)  # [BLOCK, HEAD_DIM / 32]
+        scale = tl.reshape(tl.broadcast_to(group_scale[:, :, None], (BLOCK, HEAD_DIM // 32, 32)), (BLOCK, HEAD_DIM))
         if BITS == 8:
             codes = tl.load((c_ptr + rows[:, None] + d[None, :]).to(tl.pointer_type(tl.int8)), mask=mask[:, None],
                             other=0).to(tl.float32)
@@ -79,14 +80,14 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
             n_mask = n <= pos
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
             k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
-            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM).to(q.dtype)
+            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
-            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM).to(q.dtype)
+            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
