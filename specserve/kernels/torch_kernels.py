@@ -73,8 +73,12 @@ class TorchKernels:
         """Rows of K and V (staged [2, rows, n_kv_heads, 1, head_dim], in the compute dtype) into each row's slot of
         the caches, in each cache's type (kv_format.py)."""
         for cache, new in ((k_cache, staged[0, :, :, 0]), (v_cache, staged[1, :, :, 0])):
-            size = cache.shape[2]
-            store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, new)
+            self.store_rows(new, slots, cache)
+
+    def store_rows(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """rows [tokens, n_kv_heads, head_dim] into each token's slot of one layer's cache, in its type."""
+        size = cache.shape[2]
+        store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, rows)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:

@@ -24,7 +24,6 @@ from specserve.kernels import (
     rmsnorm_triton,
     rope_triton,
 )
-from specserve.kernels.kv_format import store_rows
 from specserve.kernels.linear import dense_copy
 from specserve.kernels.moe_routing import FUSED_DTYPES, FUSED_N_EXPERT, Routing, check
 from specserve.kernels.quant_experts import ExpertMatrix, QuantExperts
@@ -72,17 +71,12 @@ class TritonKernels(TorchKernels):
         self.store_staged(staged, slots, k_cache, v_cache)
         return q_out
 
-    def store_staged(self, staged: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> None:
+    def store_rows(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """Packed caches (q8_0, q4_0) through the Triton packing kernel, where it takes the head size."""
-        if not kv_pack_triton.takes(staged.shape[-1]):
-            return super().store_staged(staged, slots, k_cache, v_cache)
-        for cache, new in ((k_cache, staged[0, :, :, 0]), (v_cache, staged[1, :, :, 0])):
-            if cache.dtype == torch.uint8:
-                kv_pack_triton.pack_rows(new, slots, cache)
-            else:
-                size = cache.shape[2]
-                store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, new)
+        if cache.dtype == torch.uint8 and kv_pack_triton.takes(rows.shape[-1]):
+            kv_pack_triton.pack_rows(rows, slots, cache)
+        else:
+            super().store_rows(rows, slots, cache)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
@@ -97,7 +91,6 @@ class TritonKernels(TorchKernels):
         dense = dense_copy(x, w, self.invariant)
         w = w if dense is None else dense
         rows = x.numel() // x.shape[-1]
-        packed = isinstance(w, QuantWeight)
         if isinstance(w, QuantWeight) and (rows <= MAX_SLICED_ROWS or self.invariant):
             kernel = quant_cuda.usable(x, w, bias, out_dtype or x.dtype)
             if kernel:
@@ -106,7 +99,7 @@ class TritonKernels(TorchKernels):
             weight = self.dequantize(w, x.dtype) if isinstance(w, QuantWeight) else w
             y = batch_invariant.linear_float(self.silu_mul(x) if silu_input else x, weight, bias)
             return y if out_dtype is None else y.to(out_dtype)
-        if rows <= MAX_GEMV_ROWS and (packed or (rows == 1 and self.settings.triton_gemv)):
+        if rows <= MAX_GEMV_ROWS and (isinstance(w, QuantWeight) or (rows == 1 and self.settings.triton_gemv)):
             return linear_triton.gemv(x, w, bias, silu_input, out_dtype or x.dtype)
         return super().linear(x, w, bias, silu_input, out_dtype)
 

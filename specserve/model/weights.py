@@ -136,9 +136,10 @@ def quantize_weights(weights: ModelWeights, weight_format: str) -> ModelWeights:
     """
     if resolve_weight_format(weight_format) != "q8":
         return weights
+    pack_experts = kernels_for(weights.embed.device).experts_packed
     for layer in weights.layers:
         experts = layer.experts
-        if experts is not None and kernels_for(experts.router.device).experts_packed:
+        if experts is not None and pack_experts:
             for name in ("gate_up", "down"):
                 w = getattr(experts, name)
                 if isinstance(w, torch.Tensor):
