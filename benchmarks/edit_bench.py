@@ -86,9 +86,9 @@ def load_edits(path: Path = EDITS) -> list[Item]:
     items = []
     for task in data["tasks"]:
         file = path.parent / task["file"]
-        text = file.read_text()
+        text, name = file.read_text(), file.name.removesuffix(".txt")
         items.append(Item(workload="edits", id=task["id"], kind=task["kind"],
-                          messages=[{"role": "user", "content": edit_prompt(task["instruction"], file.name.removesuffix(".txt"), text)}],
+                          messages=[{"role": "user", "content": edit_prompt(task["instruction"], name, text)}],
                           sized_by=text, prediction=text))
     return items
 

@@ -1,4 +1,4 @@
-"""The package type-checks: mypy, as pyproject.toml's [tool.mypy] sets it up, reports no error.
+"""The package type-checks and lints: mypy and ruff, as pyproject.toml sets them up, report no error.
 
 mypy takes about a minute on the CI box, mostly reading torch's types; conftest.py starts it in a process of its own
 as soon as this test is collected (`start_mypy`), so it runs beside the other tests and this one waits for it. A
@@ -32,3 +32,11 @@ def test_mypy_is_clean() -> None:
     start_mypy()
     assert _done.wait(600), "mypy did not finish in 10 minutes"
     assert _result["code"] == 0, _result["out"]
+
+
+def test_ruff_is_clean() -> None:
+    """The package, its tests and benchmarks lint clean under pyproject.toml's [tool.ruff] (a second or two)."""
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run([str(ruff), "check", "specserve", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
