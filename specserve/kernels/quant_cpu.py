@@ -5,8 +5,9 @@ of 32.
 Two kernels, chosen here per product (callers never choose):
 - int8 (cpu/gemv_i8.c, the default): each activation row is rounded to int8 once per call, with one scale per
   weight word's k (8 values for 4-bit fields, 4 for 8-bit), or per weight group where the kernel's grouped
-  layout runs (`grouped`: AVX-512, 4 words a group), and multiplied as integers (vpdpbusd on AVX-512 VNNI,
-  exact 16-bit multiply-adds on AVX2), as llama.cpp does: the product of W with the rounded activations.
+  layouts run (`grouped`: AVX-512's blocks of 4-word groups, AVX2's spans of 4- or 8-word groups), and
+  multiplied as integers (vpdpbusd on AVX-512 VNNI, exact 16-bit multiply-adds on AVX2), as llama.cpp does:
+  the product of W with the rounded activations.
   Approximate: docs/perf.md (2026-12-03, how far the int8 products move the model) gives its logit error and
   greedy agreement.
 - fp32 (cpu/gemv_q.c): exact integers times fp32 activations (relative error ~4e-7 against the dequantized
@@ -79,10 +80,16 @@ def _permutation(k: int, bits: int, group: int) -> tuple[torch.Tensor, int]:
 
 
 @cache
-def grouped(bits: int, group: int) -> bool:
-    """Whether the int8 kernel takes this format in its grouped layout here (one activation scale a group)."""
+def _layout(bits: int, group: int) -> int:
+    """The int8 kernel's layout for this format here (gemv_i8.c's q_i8_grouped): 0 a scale a word, 1 AVX-512's
+    grouped blocks, 2 AVX2's spans (the ordinary chunk order)."""
     lib = build.library()
-    return lib is not None and hasattr(lib, "q_i8_grouped") and bool(lib.q_i8_grouped(group * bits // 32))
+    return int(lib.q_i8_grouped(group * bits // 32)) if lib is not None and hasattr(lib, "q_i8_grouped") else 0
+
+
+def grouped(bits: int, group: int) -> bool:
+    """Whether the int8 kernel rounds this format's activations with one scale a weight group here."""
+    return _layout(bits, group) != 0
 
 
 @cache
@@ -183,8 +190,8 @@ def _plan(w: QuantWeight, kernel: str) -> _Plan:
             raise ValueError("packed weights must be contiguous")
         n, words_per_row = w.words.shape
         k = words_per_row * 32 // w.bits
-        perm, chunks = (_grouped_permutation if kernel == "int8" and grouped(w.bits, w.group) else _permutation)(
-            k, w.bits, w.group)
+        blocks = kernel == "int8" and _layout(w.bits, w.group) == 1
+        perm, chunks = (_grouped_permutation if blocks else _permutation)(k, w.bits, w.group)
         plan = _Plan(lib.q_gemv_i8 if kernel == "int8" else lib.q_gemv, w.words.data_ptr(), w.sm.data_ptr(), perm,
                      perm.data_ptr(), n, k, (n, k, words_per_row, w.sm.shape[1], w.bits, w.group * w.bits // 32,
                                              chunks), perm.numel() + chunks * 16)

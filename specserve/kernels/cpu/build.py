@@ -36,7 +36,7 @@ BUILDS = (
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
 SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c")
-HEADERS = ("kv_rows.h", "packed.h", "pool.h", "simd.h")
+HEADERS = ("kv_rows.h", "packed.h", "pool.h", "simd.h", "spans.h")
 _lock = threading.Lock()
 
 

@@ -24,6 +24,7 @@
 // layout a call takes.
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "packed.h"
 #include "pool.h"
@@ -67,8 +68,9 @@ static inline vi pack_fields(const vf* v, vf inv, int fields, int8_t* xq) {
 // Rounds one row of activations (perm: k of each [chunk, field, lane] slot, -1 past K) to int8 in the kernel's
 // byte order (xq: [chunks, regs, 16 lanes, 4 bytes]), with each lane's scale (dx) and the sum of its rounded
 // activations (xs = dx * sum of q).
-static void quantize_row(const float* x, const int32_t* perm, int chunks, int fields, int8_t* xq, float* dx,
-                         float* xs) {
+// share: lanes (words) that take one scale, their group's (1, or a group's 4 or 8 words: AVX2's spans).
+static void quantize_row(const float* x, const int32_t* perm, int chunks, int fields, int share, int8_t* xq,
+                         float* dx, float* xs) {
     const vf one = v_set1(1.0f), q_max = v_set1(127.0f);
     const int regs = fields / 4;
     for (int c = 0; c < chunks; ++c) {
@@ -79,6 +81,15 @@ static void quantize_row(const float* x, const int32_t* perm, int chunks, int fi
                 v[i] = v_gather(x, vi_load(perm + ((int64_t)c * fields + i) * 16 + lane));
                 amax = v_max(amax, v_abs(v[i]));
             }
+#if VL == 8
+            if (share >= 4) {  // a group's 4 words are 4 lanes of a 128-bit half, its 8 the whole vector
+                amax = v_max(amax, _mm256_permute_ps(amax, 0xB1));
+                amax = v_max(amax, _mm256_permute_ps(amax, 0x4E));
+            }
+            if (share == 8) amax = v_max(amax, _mm256_permute2f128_ps(amax, amax, 1));
+#else
+            (void)share;
+#endif
             const vf d = v_div(amax, q_max);
             // 1 / d as a true division (no reciprocal estimate), so the rounding is what a reference computes
             const vf inv = v_maskz_div(v_cmp(d, v_zero(), _CMP_GT_OQ), one, d);
@@ -93,12 +104,13 @@ static void quantize_row(const float* x, const int32_t* perm, int chunks, int fi
 #define GROUPED_WPG 4  // words a group in the grouped layout
 #endif
 
+// The layout the int8 kernel takes a format in: 0 a scale a word, 1 AVX-512's grouped blocks, 2 AVX2's spans
+// (spans.h); 1 and 2 round the activations with one scale a weight group.
 int q_i8_grouped(int words_per_group) {
 #ifdef GROUPED_WPG
     return words_per_group == GROUPED_WPG;
 #else
-    (void)words_per_group;
-    return 0;
+    return words_per_group == 4 || words_per_group == 8 ? 2 : 0;
 #endif
 }
 
@@ -179,6 +191,10 @@ typedef struct {
     const float *dx, *xs;
     int regs;
 } job;
+
+#if VL == 8
+#include "spans.h"
+#endif
 
 // One vector (s) of a chunk of one weight row against ROWS activation rows: the integer dot products per lane,
 // scaled by scale * dx, into acc; min * (rounded activations' sum) into acc_min (a second chain: the adds do not
@@ -322,7 +338,15 @@ static inline __attribute__((always_inline)) void rows_grouped(const job* a, int
         break;                                                            \
     }
 #else
-#define ROWS_GROUPED(R, REGS)
+#define ROWS_GROUPED(R, REGS)                                             \
+    if (a->p.words_per_group == 4) {                                      \
+        rows_spans(a, r0, r1, R, REGS, 4);                                \
+        break;                                                            \
+    }                                                                     \
+    if (a->p.words_per_group == 8) {                                      \
+        rows_spans(a, r0, r1, R, REGS, 8);                                \
+        break;                                                            \
+    }
 #endif
 #define ROWS_CASE(R)                              \
     case R:                                       \
@@ -358,20 +382,39 @@ int q_gemv_i8(const int32_t* words, const uint16_t* sm, const float* x_rows, con
         f_row = (int64_t)(blocks + tail_chunks) * 16;
     }
 #endif
-    int8_t* xq = scratch((size_t)rows * (q_row + 2 * f_row * sizeof(float)));
+    int64_t g_row = 0;  // spans: the per-group scales and sums a row
+#ifndef GROUPED_WPG
+    if (grouped) {  // whole spans of activations, the padding zero
+        g_row = (int64_t)span_count(groups_per_row) * SPAN_GROUPS;
+        q_row = g_row * words_per_group / 16 * regs * 64;
+    }
+#endif
+    int8_t* xq = scratch((size_t)rows * (q_row + 2 * (f_row + g_row) * sizeof(float)));
     if (xq == NULL) return -1;
     float* dx = (float*)(xq + rows * q_row);
     float* xs = dx + rows * f_row;
+    float* dxg = xs + rows * f_row;
+    float* xsg = dxg + rows * g_row;
     for (int m = 0; m < rows; ++m) {
         const float* x = x_rows + (int64_t)m * k;
+        int8_t* xq_m = xq + m * q_row;
 #ifdef GROUPED_WPG
         if (grouped) {
-            quantize_grouped(x, perm, groups_per_row, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
+            quantize_grouped(x, perm, groups_per_row, fields, xq_m, dx + m * f_row, xs + m * f_row);
             continue;
         }
 #endif
-        quantize_row(x, perm, chunks, fields, xq + m * q_row, dx + m * f_row, xs + m * f_row);
+        quantize_row(x, perm, chunks, fields, grouped ? words_per_group : 1, xq_m, dx + m * f_row, xs + m * f_row);
+#ifndef GROUPED_WPG
+        if (grouped) {
+            const int64_t filled = (int64_t)chunks * regs * 64;
+            memset(xq_m + filled, 0, q_row - filled);
+            span_scales(dx + m * f_row, xs + m * f_row, groups_per_row, words_per_group, dxg + m * g_row,
+                        xsg + m * g_row);
+        }
+#endif
     }
+    if (g_row) dx = dxg, xs = xsg;
     job a = {{words, sm, out, rows, n, words_per_row, groups_per_row, words_per_group, chunks}, xq, dx, xs, regs};
     pool_run(threads, n, pool_block(n, threads, 16), run_rows, &a);
     return 0;
