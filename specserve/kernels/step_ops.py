@@ -68,6 +68,17 @@ class ResidualStream:
         self.fused = fused
         self.kernels = kernels
         self.adapter_scales: torch.Tensor | None = None  # [rows, n_adapters] where adapters are loaded (low_rank.py)
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def staging(self, n_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One-position blocks for the step's K and V rows where the cache is stored apart (NormQKVRope.cache_apart):
+        [2, rows, n_kv_heads, 1, head_dim] in the stream's dtype, and the rows' numbers. Made once a step: each
+        layer stores its rows before the next layer writes them."""
+        if self._staging is None:
+            x = self.residual
+            self._staging = (torch.empty((2, x.shape[0], n_kv_heads, 1, head_dim), dtype=x.dtype, device=x.device),
+                             torch.arange(x.shape[0], device=x.device))
+        return self._staging
 
     def normed(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of the stream, with the pending output added first (unfused ops)."""
@@ -130,10 +141,9 @@ class NormQKVRope:
                 q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
                 return q.view(n, self.n_heads, self.head_dim)
             # the epilogue writes rows of one-position blocks, which are then stored as the cache's types
-            staged = torch.empty((2, n, self.n_kv_heads, 1, self.head_dim), dtype=stream.residual.dtype,
-                                 device=stream.residual.device)
-            rope = RopeWrite(self.cos, self.sin, positions, torch.arange(n, device=slots.device), staged[0],
-                             staged[1], self.n_heads, self.n_kv_heads, self.style)
+            staged, rows = stream.staging(self.n_kv_heads, self.head_dim)
+            rope = RopeWrite(self.cos, self.sin, positions, rows, staged[0], staged[1], self.n_heads,
+                             self.n_kv_heads, self.style)
             q = linear_fused(stream.residual, self.w, self.bias, norm=(self.norm, self.eps), rope=rope)
             stream.kernels.store_staged(staged, slots, k_cache, v_cache)
             return q.view(n, self.n_heads, self.head_dim)
