@@ -61,7 +61,7 @@ def rope_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     product), caches [blocks, heads, block size, dim] with contiguous rows, int64 positions and slots."""
     dim, row = q.shape[-1], q.stride(0)
     views = all(t.stride(2) == 1 and t.stride(1) == dim and (t.stride(0) == row or t.shape[0] == 1) for t in (q, k, v))
-    caches = _paged(k_cache, v_cache, dim)
+    caches = paged(k_cache, v_cache, dim)
     ids = positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
     return views and caches and ids and takes(q, k, v)
 
@@ -76,7 +76,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     row = q.stride(0) if tokens > 1 else 0  # a view's stride over one row is arbitrary, and unused
     _lib().cpu_rope_cache(q.data_ptr(), k.data_ptr(), v.data_ptr(), row, tokens, n_heads, k.shape[1],
                            dim, cos.shape[-1], cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                           slots.data_ptr(), *_cache_args(k_cache, dim), *_cache_args(v_cache, dim),
+                           slots.data_ptr(), *cache_args(k_cache, dim), *cache_args(v_cache, dim),
                            k_cache.shape[2].bit_length() - 1, style == "neox", out.data_ptr())
     return out
 
@@ -92,12 +92,12 @@ def _row_bits(cache: torch.Tensor, dim: int) -> int | None:
     return None if fmt is None else fmt.code_bits
 
 
-def _cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int | None]:
+def cache_args(cache: torch.Tensor, dim: int) -> tuple[int, int, int, int | None]:
     """(data, block stride, head stride, bits) of a layer's cache, as cpu/ops.c's kv_cache."""
     return cache.data_ptr(), cache.stride(0), cache.stride(1), _row_bits(cache, dim)
 
 
-def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
+def paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
     """A layer's caches as the C code reads them: [blocks, heads, block size (a power of two), row], contiguous
     CPU tensors of fp32 or fp16 rows of dim values, or packed rows."""
     size = k_cache.shape[2]
@@ -108,7 +108,7 @@ def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> bool:
 
 def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     seq_ids: torch.Tensor, table: torch.Tensor) -> bool:
-    caches = _paged(k_cache, v_cache, q.shape[-1])
+    caches = paged(k_cache, v_cache, q.shape[-1])
     ids = positions.dtype == seq_ids.dtype == torch.int64 and positions.is_contiguous() and seq_ids.is_contiguous()
     heads = q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 256  # ops.c's per-group bound
     blocks = table.dtype == torch.int32 and table.is_contiguous() and table.device.type == "cpu"
@@ -122,8 +122,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
-    if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, *_cache_args(k_cache, dim),
-                             *_cache_args(v_cache, dim), positions.data_ptr(), seq_ids.data_ptr(),
+    if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, *cache_args(k_cache, dim),
+                             *cache_args(v_cache, dim), positions.data_ptr(), seq_ids.data_ptr(),
                              table.data_ptr(), table.shape[1],
                              k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
                              torch.get_num_threads()):

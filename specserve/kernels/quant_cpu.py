@@ -159,8 +159,8 @@ def kernel_for(w: QuantWeight) -> str:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """What one weight's calls of one kernel pass besides the activations: resolved once (`_plan`)."""
+class CallPlan:
+    """What one weight's calls of one kernel pass besides the activations: resolved once (`call_plan`)."""
 
     fn: Callable[..., int]
     w_ptr: int
@@ -173,11 +173,11 @@ class _Plan:
     scratch_floats: int  # the fp32 kernel's scratch per row
 
 
-_plans: dict[tuple, _Plan] = {}
+_plans: dict[tuple, CallPlan] = {}
 MAX_PLANS = 1 << 16  # every matrix of a large model, its experts one by one; past it the cache starts over
 
 
-def _plan(w: QuantWeight, kernel: str) -> _Plan:
+def call_plan(w: QuantWeight, kernel: str) -> CallPlan:
     """The call plan of w (keyed by its tensors' addresses and shapes, so a weight moved or replaced gets a new
     one): a decode step of a 135M model makes ~120 products, and resolving all this per call was twice the
     kernel's own time on its small matrices."""
@@ -192,7 +192,7 @@ def _plan(w: QuantWeight, kernel: str) -> _Plan:
         k = words_per_row * 32 // w.bits
         blocks = kernel == "int8" and _layout(w.bits, w.group) == 1
         perm, chunks = (_grouped_permutation if blocks else _permutation)(k, w.bits, w.group)
-        plan = _Plan(lib.q_gemv_i8 if kernel == "int8" else lib.q_gemv, w.words.data_ptr(), w.sm.data_ptr(), perm,
+        plan = CallPlan(lib.q_gemv_i8 if kernel == "int8" else lib.q_gemv, w.words.data_ptr(), w.sm.data_ptr(), perm,
                      perm.data_ptr(), n, k, (n, k, words_per_row, w.sm.shape[1], w.bits, w.group * w.bits // 32,
                                              chunks), perm.numel() + chunks * 16)
         if len(_plans) >= MAX_PLANS:
@@ -217,7 +217,7 @@ def gemv(x: torch.Tensor, w: QuantWeight, kernel: str | None = None) -> torch.Te
     """x [..., K] fp32 @ W^T -> fp32 [..., N] on torch's thread count. kernel: None chooses (`kernel_for`); tests
     name one. Kept lean: a 135M model's decode step makes ~120 of these calls."""
     kernel = kernel or kernel_for(w)
-    plan = _plan(w, kernel)
+    plan = call_plan(w, kernel)
     n, k = plan.n, plan.k
     flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     rows_total = flat.shape[0]

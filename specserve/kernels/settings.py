@@ -32,6 +32,7 @@ class KernelSettings:
     pdl: bool
     cpu_kernel: bool
     cpu_exact: bool
+    cpu_layers: bool
     dense_copies: bool
 
     @classmethod
@@ -44,6 +45,7 @@ class KernelSettings:
                    pdl=env.get("SPECSERVE_PDL") != "0",
                    cpu_kernel=env.get("SPECSERVE_CPU_KERNEL", "1") != "0",
                    cpu_exact=env.get("SPECSERVE_CPU_EXACT", "0") == "1",
+                   cpu_layers=env.get("SPECSERVE_CPU_LAYERS") != "0",
                    dense_copies=env.get("SPECSERVE_DENSE_COPIES") != "0")
 
 

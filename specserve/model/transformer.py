@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.kernels.cpu_layers import whole_layers
 from specserve.kernels.step_ops import NormQKVRope, ResidualStream, StepFusion, StepOp
 from specserve.kernels.torch_kernels import TorchKernels
 from specserve.model.blocks import OutputHead, RopeTables, Runs, embed
@@ -36,14 +37,20 @@ class Transformer:
         decoder_layer = family(config.arch).decoder_layer
         self.layers = [decoder_layer(config, i, lw, rope) for i, lw in enumerate(weights.layers)]
         self.head = OutputHead(config, weights)
-        self.fusion = StepFusion(self._ops(), self.kernels)
         self.adapter_scales: AdapterRows | None = None  # (model/lora.py)
+        self._decide()
+
+    def _decide(self) -> None:
+        """How steps run their ops: fused or composed (StepFusion), and all layers in one call where the kernels
+        have one (whole_layers). Decided again when the ops change."""
+        self.fusion = StepFusion(self._ops(), self.kernels)
+        self.whole_layers = whole_layers(self.kernels, [layer.ops() for layer in self.layers])
 
     def use_adapters(self, scales: AdapterRows) -> None:
         """Steps read each row's adapter scales from `scales.table` by sequence id (while `in_use`); the products
         that have adapters no longer fuse, so the step fusion is decided again."""
         self.adapter_scales = scales
-        self.fusion = StepFusion(self._ops(), self.kernels)
+        self._decide()
 
     def store_cache_apart(self) -> None:
         """K or V is stored in another type than the compute dtype (-ctk/-ctv): the [q | k | v] products write their
@@ -51,7 +58,7 @@ class Transformer:
         for op in self._ops():
             if isinstance(op, NormQKVRope):
                 op.cache_apart = True
-        self.fusion = StepFusion(self._ops(), self.kernels)
+        self._decide()
 
     def _ops(self) -> list[StepOp]:
         return [op for layer in self.layers for op in layer.ops()]
@@ -62,8 +69,10 @@ class Transformer:
         stream = self.input_stream(tokens)
         if self.adapter_scales is not None and self.adapter_scales.in_use:
             stream.adapter_scales = self.adapter_scales.table[seq_ids]
-        for layer in self.layers:
-            layer(stream, positions, seq_ids, runs, kv)
+        if self.whole_layers is None or not self.whole_layers(stream, positions, seq_ids, kv.layers, kv.slots,
+                                                              kv.table):
+            for layer in self.layers:
+                layer(stream, positions, seq_ids, runs, kv)
         stream.keep_rows(logit_rows)
         return stream
 

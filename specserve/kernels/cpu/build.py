@@ -35,7 +35,7 @@ BUILDS = (
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]),
     ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
 )
-SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c")
+SOURCES = ("pool.c", "gemv_q.c", "gemv_i8.c", "ops.c", "layers.c")
 HEADERS = ("kv_rows.h", "packed.h", "pool.h", "simd.h", "spans.h")
 _lock = threading.Lock()
 
@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cpu_attention": (i32, [ptr, i32, i32, i32, i32] + [ptr, i64, i64, i32] * 2
                           + [ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
         "cpu_silu_mul": (None, [ptr, ptr, i32, i32]),
+        "cpu_layers": (i32, [ptr, ptr]),
+        "cpu_layers_scratch": (i64, [ptr, ptr]),
     }
     for name, (result, args) in signatures.items():
         if hasattr(lib, name):
