@@ -134,9 +134,14 @@ static void decode_rows(const kv_cache* c, const int32_t* blocks, int block_shif
 
 // Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
 // sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift], whose
-// rows of one head are contiguous: the loops walk a block's rows at a time. The group's heads share each load of a key and a value row (the
-// cache is read once per kv head, not once per q head).
+// rows of one head are contiguous: the loops walk a block's rows at a time. A kv head's rows are read from memory
+// once for its group of q heads (the group's other heads find them in cache). The adds of one dot product or one
+// output value form a chain: scores are computed KEYS keys at a time and a head's values 8 vectors at a time, so
+// independent chains fill the FMA units (a single chain waited on each add's latency); each value's sum keeps
+// its order.
 // DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
+#define KEYS 8  // keys whose scores are computed together
+
 static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
                                                                   const int DIM) {
     const int dim = DIM ? DIM : a->dim, group = a->n_heads / a->n_kv_heads;
@@ -164,14 +169,25 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                                       : (const float*)a->k.data + (int64_t)blocks[j0 >> a->block_shift] *
                                                                       a->k.block_stride + k_head;
             const int jn = len - j0 < bsize ? len - j0 : bsize;
-            for (int j = 0; j < jn; ++j) {
-                for (int g = 0; g < group; ++g) {
-                    vf d = v_zero();
+            for (int g = 0; g < group; ++g) {
+                const float* qg = q + g * dim;
+                float* sc = score_buf + (int64_t)g * len + j0;
+                int j = 0;
+                for (; j + KEYS <= jn; j += KEYS) {  // KEYS keys' dot products at once: independent add chains
+                    vf d[KEYS];
+                    for (int u = 0; u < KEYS; ++u) d[u] = v_zero();
                     for (int i = 0; i < dim; i += VL) {
-                        const vf kj = v_load_n(kb + (int64_t)j * dim + i, dim - i);
-                        d = v_fmadd(v_load_n(q + g * dim + i, dim - i), kj, d);
+                        const vf qv = v_load_n(qg + i, dim - i);
+                        for (int u = 0; u < KEYS; ++u)
+                            d[u] = v_fmadd(qv, v_load_n(kb + (int64_t)(j + u) * dim + i, dim - i), d[u]);
                     }
-                    score_buf[(int64_t)g * len + j0 + j] = v_reduce_add(d) * a->scale;
+                    for (int u = 0; u < KEYS; ++u) sc[j + u] = v_reduce_add(d[u]) * a->scale;
+                }
+                for (; j < jn; ++j) {
+                    vf d = v_zero();
+                    for (int i = 0; i < dim; i += VL)
+                        d = v_fmadd(v_load_n(qg + i, dim - i), v_load_n(kb + (int64_t)j * dim + i, dim - i), d);
+                    sc[j] = v_reduce_add(d) * a->scale;
                 }
             }
         }
@@ -189,24 +205,26 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
             inv[g] = 1.0f / v_reduce_add(total);
         }
         float* o = a->out + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;
-        for (int i = 0; i < dim; i += VL) {
-            vf acc[8];
-            for (int g0 = 0; g0 < group; g0 += 8) {  // up to 8 heads' accumulators at a time stay in registers
-                const int gn = group - g0 < 8 ? group - g0 : 8;
-                for (int g = 0; g < gn; ++g) acc[g] = v_zero();
+        for (int g = 0; g < group; ++g) {
+            const float* sc = score_buf + (int64_t)g * len;
+            for (int i0 = 0; i0 < dim; i0 += 8 * VL) {  // 8 vectors of a head's values at a time, in registers
+                const int vecs = dim - i0 >= 8 * VL ? 8 : (dim - i0 + VL - 1) / VL;
+                vf acc[8];
+                for (int u = 0; u < vecs; ++u) acc[u] = v_zero();
                 for (int j0 = 0; j0 < len; j0 += bsize) {
                     const float* vb = v_dense ? v_dense + (int64_t)j0 * dim
                                               : (const float*)a->v.data + (int64_t)blocks[j0 >> a->block_shift] *
                                                                               a->v.block_stride + v_head;
                     const int jn = len - j0 < bsize ? len - j0 : bsize;
                     for (int j = 0; j < jn; ++j) {
-                        const vf vj = v_load_n(vb + (int64_t)j * dim + i, dim - i);
-                        for (int g = 0; g < gn; ++g)
-                            acc[g] = v_fmadd(v_set1(score_buf[(int64_t)(g0 + g) * len + j0 + j]), vj, acc[g]);
+                        const vf s = v_set1(sc[j0 + j]);
+                        const float* row = vb + (int64_t)j * dim + i0;
+                        for (int u = 0; u < vecs; ++u)
+                            acc[u] = v_fmadd(s, v_load_n(row + u * VL, dim - i0 - u * VL), acc[u]);
                     }
                 }
-                for (int g = 0; g < gn; ++g)
-                    v_store_n(o + (int64_t)(g0 + g) * dim + i, dim - i, v_mul(acc[g], v_set1(inv[g0 + g])));
+                for (int u = 0; u < vecs; ++u)
+                    v_store_n(o + (int64_t)g * dim + i0 + u * VL, dim - i0 - u * VL, v_mul(acc[u], v_set1(inv[g])));
             }
         }
     }
