@@ -36,6 +36,8 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.tp_runner import TensorParallelRunner, start_tensor_parallel
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.kernels import settings as kernel_settings
+from specserve.kernels.quant_weight import QuantWeight
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
 from specserve.model.tp_layout import ShardLayout, check_tensor_parallel
@@ -90,8 +92,8 @@ def test_layout_of_the_catalog_models() -> None:
 
 
 def test_refusals(smollm_path: Path) -> None:
-    with pytest.raises(SpecserveError, match="float weights only"):
-        start_tensor_parallel(smollm_path, 2, weight_format="gguf")
+    with pytest.raises(SpecserveError, match="unknown weight format"):
+        start_tensor_parallel(smollm_path, 2, weight_format="q5")
     with pytest.raises(SpecserveError, match="at most 9 ranks"):
         start_tensor_parallel(smollm_path, 10, device="cpu")
     moe = replace(config(8, 2), arch="qwen2moe")
@@ -159,13 +161,14 @@ def tp2(smollm_path: Path) -> Iterator[TensorParallelRunner]:
     with pytest.MonkeyPatch.context() as mp:
         for k, v in KEPT_ENV.items():
             mp.setenv(k, v)
-        runner = start_tensor_parallel(smollm_path, 2, n_seqs=2, n_ctx=N_CTX, device="cpu", progress=False)
+        runner = start_tensor_parallel(smollm_path, 2, n_seqs=2, n_ctx=N_CTX, device="cpu", progress=False,
+                                       weight_format="float")
     yield runner
     runner.close()
 
 
 def test_one_rank_is_one_process_bit_for_bit(smollm_path: Path, reference: LocalRunner) -> None:
-    runner = start_tensor_parallel(smollm_path, 1, n_ctx=N_CTX, device="cpu", progress=False)
+    runner = start_tensor_parallel(smollm_path, 1, n_ctx=N_CTX, device="cpu", progress=False, weight_format="float")
     try:
         tokens = Tokenizer.from_gguf(reference.gguf).encode(PROMPT, add_special=True, parse_special=True)
         assert torch.equal(last_logits(runner, tokens), last_logits(reference, tokens))
@@ -280,6 +283,37 @@ def test_server_with_two_ranks(smollm_path: Path, reference: LocalRunner) -> Non
     assert got == greedy_text(reference, 12)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_packed_ranks_keep_the_weight_format(smollm_path: Path, reference: LocalRunner,
+                                            monkeypatch: pytest.MonkeyPatch, exact: bool) -> None:
+    """The default weight format (packed on this CPU) is what each rank holds. With the exact products
+    (SPECSERVE_CPU_EXACT=1, which the followers inherit) two ranks' logits are one process's within fp32's noise
+    (the module docstring's yardstick, measured on the float reference: the exact packed products are
+    batch-invariant, so one packed process never differs from itself): the cuts are right. With the int8
+    products (the default) they write one process's text, but their logits move by the int8 rounding itself
+    (1.09 where int8 and exact products are 0.63 apart here): a partial sum's last bit moves an activation across
+    a rounding step in the next layer."""
+    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1" if exact else "0")
+    kernel_settings.reload()
+    one = LocalRunner(smollm_path, n_seqs=1, n_ctx=N_CTX, device="cpu", progress=False, weight_format="gguf")
+    runner = start_tensor_parallel(smollm_path, 2, n_ctx=N_CTX, device="cpu", progress=False)
+    try:
+        assert runner.weight_format == one.weight_format == "gguf"
+        for layer in runner.model.layers:
+            qkv, out, ffn = layer.ops()
+            assert all(isinstance(w, QuantWeight) for w in (qkv.w, out.w, ffn.w_gate_up, ffn.w_down))
+        assert isinstance(runner.model.head.head.w, QuantWeight) and runner.model.whole_layers is None
+        tokens = Tokenizer.from_gguf(one.gguf).encode(PROMPT, add_special=True, parse_special=True)
+        if exact:
+            noise = one_process_noise(reference, tokens)
+            assert_logits_close(last_logits(runner, tokens), last_logits(one, tokens), noise)
+        assert greedy_text(runner, 16) == greedy_text(one, 16)
+    finally:
+        runner.close()
+        monkeypatch.delenv("SPECSERVE_CPU_EXACT")
+        kernel_settings.reload()
+
+
 SLOW_CASES = [("smollm2-135m", 4), ("qwen2.5-coder-0.5b", 2), ("qwen2.5-coder-0.5b", 4)]
 
 
@@ -293,7 +327,8 @@ def qwen_reference() -> LocalRunner:
 @pytest.mark.parametrize("model,world", SLOW_CASES)
 def test_ranks_match_one_process_slow(model: str, world: int, request: pytest.FixtureRequest) -> None:
     ref = request.getfixturevalue("reference" if model == "smollm2-135m" else "qwen_reference")
-    runner = start_tensor_parallel(catalog.resolve(model), world, n_ctx=N_CTX, device="cpu", progress=False)
+    runner = start_tensor_parallel(catalog.resolve(model), world, n_ctx=N_CTX, device="cpu", progress=False,
+                                   weight_format="float")
     try:
         followers = list(runner.group.followers)
         tokens = Tokenizer.from_gguf(ref.gguf).encode(PROMPT, add_special=True, parse_special=True)
@@ -325,6 +360,7 @@ def test_torchrun_generate(smollm_path: Path, reference: LocalRunner) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "specserve.cli", "generate",
                            "-m", str(smollm_path), "-p", PROMPT, "-n", "12", "--temp", "0", "--device", "cpu",
-                           "-c", str(N_CTX), "-tp", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "-c", str(N_CTX), "-tp", "2", "--weight-format", "float"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.removesuffix("\n") == greedy_text(reference, 12)

@@ -37,7 +37,7 @@ from specserve.model.registry import read_config
 from specserve.model.tp_layout import ShardLayout, check_tensor_parallel, load_shard
 from specserve.model.tp_transformer import ShardedTransformer
 from specserve.model.transformer import Transformer
-from specserve.model.weights import ModelWeights
+from specserve.model.weights import ModelWeights, resolve_weight_format
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +46,16 @@ HEADER = 3
 
 
 class ShardRunner(LocalRunner):
-    """A LocalRunner over one rank's shard: float weights, eager steps (no CUDA graphs: gloo's collectives
-    cannot be captured, and NCCL's are not captured here yet)."""
+    """A LocalRunner over one rank's shard: eager steps (no CUDA graphs: gloo's collectives cannot be captured,
+    and NCCL's are not captured here yet), its matrices in the resolved weight format (tp_layout.load_shard)."""
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
-                 progress: bool = False, kv_size: int | None = None):
+                 progress: bool = False, kv_size: int | None = None, weight_format: str = "float"):
         config = read_config(gguf.metadata, set(gguf.tensor_names()))
         self.layout = ShardLayout.plan(config, group.rank, group.world)
         self.group = group
-        self.weight_format = "float"
-        weights = load_shard(gguf, self.layout, dtype, group.device, progress)
+        self.weight_format = weight_format
+        weights = load_shard(gguf, self.layout, dtype, group.device, progress, weight_format)
         self._setup(self.layout.local_config, weights, n_seqs, n_ctx, cuda_graphs=False, kv_size=kv_size)
         self.config = config  # the whole model's numbers (what /props shows); the shard's: layout.local_config
         self.gguf: GGUFFile | None = gguf
@@ -69,8 +69,9 @@ class TensorParallelRunner(ShardRunner):
     `weights` are rank 0's shard; each other rank holds about as much.)"""
 
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
-                 progress: bool = False, kv_size: int | None = None):
-        super().__init__(gguf, group, n_seqs=n_seqs, n_ctx=n_ctx, dtype=dtype, progress=progress, kv_size=kv_size)
+                 progress: bool = False, kv_size: int | None = None, weight_format: str = "float"):
+        super().__init__(gguf, group, n_seqs=n_seqs, n_ctx=n_ctx, dtype=dtype, progress=progress, kv_size=kv_size,
+                         weight_format=weight_format)
         self._lock = threading.Lock()  # the scheduler's thread sends commands; close() may come from another
         self._broken: str | None = None
         self._closed = False
@@ -159,19 +160,21 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
                           kv_size: int | None = None, device: str | torch.device | None = None,
                           dtype: torch.dtype | None = None, progress: bool = True, weight_format: str = "auto",
                           **_: object) -> TensorParallelRunner:
-    """Rank 0's runner of a model split over `world` ranks (the others started here, or by torchrun). Float
-    weights only ("auto" is float here); the model is checked before any process starts."""
-    if weight_format not in ("auto", "float"):
-        raise SpecserveError(f"--tensor-parallel loads float weights only (--weight-format float or auto), "
-                             f"not {weight_format}")
+    """Rank 0's runner of a model split over `world` ranks (the others started here, or by torchrun), in the
+    weight format asked for ("auto" as for one process: packed on a CPU with the kernels); on CUDA float only
+    (the packed kernels' shards have not run there). The model is checked before any process starts."""
     dev = checked_device(device)
+    weight_format = resolve_weight_format(weight_format, dev)
+    if dev.type != "cpu" and weight_format != "float":
+        raise SpecserveError(f"--tensor-parallel on {dev.type} loads float weights only (--weight-format float or "
+                             f"auto), not {weight_format}")
     gguf = GGUFFile(model_path)
     config = read_config(gguf.metadata, set(gguf.tensor_names()))
     check_tensor_parallel(config, world, set(gguf.tensor_names()))
     dt = dtype or default_dtype(dev)
     ctx = int(n_ctx or min(config.context_length, DEFAULT_CTX))
     spec = {"path": str(Path(model_path).resolve()), "n_seqs": n_seqs, "n_ctx": ctx, "kv_size": kv_size,
-            "dtype": str(dt).removeprefix("torch.")}
+            "dtype": str(dt).removeprefix("torch."), "weight_format": weight_format}
     t0 = time.monotonic()
     group = start_rank0(world, dev.type)
     log.info("tensor parallel: %d ranks joined in %.1f s", world, time.monotonic() - t0)
@@ -181,7 +184,7 @@ def start_tensor_parallel(model_path: str | Path, world: int, *, n_seqs: int = 1
         dist.broadcast_object_list([spec], 0, group=group.control)
         try:
             runner = TensorParallelRunner(gguf, group, n_seqs=n_seqs, n_ctx=ctx, dtype=dt,
-                                          progress=progress, kv_size=kv_size)
+                                          progress=progress, kv_size=kv_size, weight_format=weight_format)
         except Exception as exc:  # told to the followers below, so that they end too
             error = str(exc) if isinstance(exc, SpecserveError) else f"{type(exc).__name__}: {exc}"
         errors = _exchange_status(group, error)
@@ -215,7 +218,8 @@ def follow(group: RankGroup) -> int:
     error: str | None = None
     try:
         shard = ShardRunner(GGUFFile(spec["path"]), group, n_seqs=spec["n_seqs"], n_ctx=spec["n_ctx"],
-                            dtype=getattr(torch, spec["dtype"]), kv_size=spec["kv_size"])
+                            dtype=getattr(torch, spec["dtype"]), kv_size=spec["kv_size"],
+                            weight_format=spec["weight_format"])
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     if _exchange_status(group, error):

@@ -22,7 +22,9 @@ rank's run lengths 3 and 1 give it 4 local KV heads, the others 1 each), which c
 memory and K/V product rows but keeps the query heads, the work that grows with the context, balanced.
 Copies compute the same K and V, so the attention of every query head is what one process computes.
 
-Only dense layers are cut (experts, expert parallelism, are not here yet); matrices load as float.
+Only dense layers are cut (experts, expert parallelism, are not here yet). Matrices load in the weight format asked
+for: with "gguf" the file's blocks stay packed where a rank's cut falls on whole groups (rows always do; a
+row-parallel matrix's columns where its heads' or ffn units' range is a multiple of the group), else float.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ from tqdm import tqdm
 
 from specserve.errors import SpecserveError
 from specserve.gguf.reader import GGUFFile
+from specserve.kernels.quant_weight import QuantWeight, Weight
 from specserve.model.config import ModelConfig
 from specserve.model.moe import MoeConfig
-from specserve.model.weights import LayerWeights, ModelWeights, is_moe_layer
+from specserve.model.weights import (
+    LayerWeights,
+    ModelWeights,
+    fuse_matrices,
+    is_moe_layer,
+    load_packed,
+    quantize_weights,
+)
 
 
 def even_split(n: int, world: int, rank: int) -> range:
@@ -97,70 +107,107 @@ class ShardLayout:
         return replace(self.config, n_heads=len(self.q_heads), n_kv_heads=len(self.kv_heads), ffn=len(self.ffn))
 
 
-class _ShardReader:
-    """Reads the rows and columns of GGUF tensors that one rank keeps, as `dtype` on `device`."""
+def _take_rows(w: QuantWeight, index: torch.Tensor) -> QuantWeight:
+    return QuantWeight(w.words[index].contiguous(), w.sm[index].contiguous(), w.bits, w.group, w.u_max)
 
-    def __init__(self, gguf: GGUFFile, layout: ShardLayout, dtype: torch.dtype, device: torch.device | str):
-        self.gguf, self.layout, self.dtype, self.device = gguf, layout, dtype, device
+
+class _ShardReader:
+    """Reads the rows and columns of GGUF tensors that one rank keeps, as `dtype` on `device`; with `packed`, a
+    block-quantized matrix stays packed (QuantWeight) where its cut falls on whole groups."""
+
+    def __init__(self, gguf: GGUFFile, layout: ShardLayout, dtype: torch.dtype, device: torch.device | str,
+                 packed: bool = False):
+        self.gguf, self.layout, self.dtype, self.device, self.packed = gguf, layout, dtype, device, packed
         self.head_dim = layout.config.head_dim
 
-    def rows(self, name: str, rows: range) -> torch.Tensor:
-        return self.gguf.load_tensor(name, self.dtype, self.device, rows=(rows.start, rows.stop))
+    def _quant(self, name: str) -> QuantWeight | None:
+        return load_packed(self.gguf, name, self.device) if self.packed else None
 
-    def columns(self, name: str, cols: range) -> torch.Tensor:
-        """A row-parallel matrix's columns: decoded whole and cut (a quantized block may span two ranks'
-        columns), the whole freed at once."""
+    def rows(self, name: str, rows: range | torch.Tensor) -> Weight:
+        """Rows of a tensor: a range, or any rows (an index)."""
+        w = self._quant(name)
+        index = torch.arange(rows.start, rows.stop) if isinstance(rows, range) else rows
+        if w is not None:
+            return _take_rows(w, index)
+        if isinstance(rows, range):
+            return self.gguf.load_tensor(name, self.dtype, self.device, rows=(rows.start, rows.stop))
+        first, last = int(index.min()), int(index.max()) + 1
+        return self.gguf.load_tensor(name, self.dtype, self.device, rows=(first, last))[index - first]
+
+    def columns(self, name: str, cols: range) -> Weight:
+        """A row-parallel matrix's columns: packed where the cut falls on whole groups, else decoded whole and
+        cut (a quantized block may span two ranks' columns), the whole freed at once."""
+        w = self._quant(name)
+        if w is not None and cols.start % w.group == 0 and cols.stop % w.group == 0:
+            per_group = w.group * w.bits // 32  # a group's words are contiguous (quant_weight.py)
+            a, b = cols.start // w.group, cols.stop // w.group
+            return QuantWeight(w.words[:, a * per_group : b * per_group].contiguous(), w.sm[:, a:b].contiguous(),
+                               w.bits, w.group, w.u_max)
         return self.gguf.load_tensor(name, self.dtype, self.device)[:, cols.start : cols.stop].contiguous()
 
-    def heads(self, name: str, heads: range) -> torch.Tensor:
+    def heads(self, name: str, heads: range) -> Weight:
         """Rows of contiguous heads (a Q product or bias)."""
         return self.rows(name, range(heads.start * self.head_dim, heads.stop * self.head_dim))
 
-    def kv(self, name: str) -> torch.Tensor:
+    def kv(self, name: str) -> Weight:
         """Rows of the local KV heads, copies included, of a K or V product or bias."""
-        kv = self.layout.kv_heads
-        first, last = min(kv), max(kv) + 1
-        part = self.heads(name, range(first, last))
-        per_head = part.view(last - first, self.head_dim, *part.shape[1:])
-        return per_head[torch.tensor([h - first for h in kv])].reshape(-1, *part.shape[1:])
+        heads = torch.tensor(self.layout.kv_heads)
+        return self.rows(name, (heads[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(-1))
 
-    def vocab(self, name: str) -> torch.Tensor:
-        """The rank's vocabulary rows, padded with zero rows to vocab_rows."""
-        part = self.rows(name, self.layout.vocab)
-        pad = self.layout.vocab_rows - part.shape[0]
-        return torch.cat([part, part.new_zeros((pad, part.shape[1]))]) if pad else part
+    def vocab(self, name: str, packed: bool = False) -> Weight:
+        """The rank's vocabulary rows, padded with zero rows to vocab_rows; packed only where asked (an embedding
+        table is looked up, so it stays float)."""
+        w = self._quant(name) if packed else None
+        pad = self.layout.vocab_rows - len(self.layout.vocab)
+        if w is not None:
+            part = _take_rows(w, torch.arange(self.layout.vocab.start, self.layout.vocab.stop))
+            if not pad:
+                return part
+            return QuantWeight(torch.cat([part.words, part.words.new_zeros((pad, part.words.shape[1]))]),
+                               torch.cat([part.sm, part.sm.new_zeros((pad, *part.sm.shape[1:]))]), w.bits, w.group,
+                               w.u_max)
+        rows = self.gguf.load_tensor(name, self.dtype, self.device, rows=(self.layout.vocab.start,
+                                                                          self.layout.vocab.stop))
+        return torch.cat([rows, rows.new_zeros((pad, rows.shape[1]))]) if pad else rows
 
 
 def load_shard(gguf: GGUFFile, layout: ShardLayout, dtype: torch.dtype, device: torch.device | str,
-               progress: bool = True) -> ModelWeights:
-    """One rank's weights, all float in `dtype`: the layout's rows and columns of each matrix, the norms
-    whole. Column-parallel matrices and the vocabulary are read as their rows only."""
+               progress: bool = True, weight_format: str = "float") -> ModelWeights:
+    """One rank's weights: the layout's rows and columns of each matrix, the norms whole. Matrices in
+    `weight_format` ("float", "gguf": the file's blocks kept packed where a cut falls on whole groups, "q8");
+    column-parallel matrices and the vocabulary are read as their rows only."""
     cfg = layout.config
-    r = _ShardReader(gguf, layout, dtype, device)
+    r = _ShardReader(gguf, layout, dtype, device, packed=weight_format == "gguf")
     q_cols = range(layout.q_heads.start * cfg.head_dim, layout.q_heads.stop * cfg.head_dim)
 
     def whole(name: str) -> torch.Tensor:
         return gguf.load_tensor(name, dtype, device)
+
+    def vector(w: Weight) -> torch.Tensor:
+        assert isinstance(w, torch.Tensor)  # a bias: never packed
+        return w
 
     layers = []
     for i in tqdm(range(cfg.n_layers), desc="load shard", unit="layer", disable=not progress, leave=False):
         p = f"blk.{i}."
         bqkv = None
         if cfg.qkv_bias:
-            bqkv = torch.cat([r.heads(p + "attn_q.bias", layout.q_heads), r.kv(p + "attn_k.bias"),
-                              r.kv(p + "attn_v.bias")])
+            bqkv = torch.cat([vector(r.heads(p + "attn_q.bias", layout.q_heads)), vector(r.kv(p + "attn_k.bias")),
+                              vector(r.kv(p + "attn_v.bias"))])
         layers.append(LayerWeights(
             attn_norm=whole(p + "attn_norm.weight"),
-            wqkv=torch.cat([r.heads(p + "attn_q.weight", layout.q_heads), r.kv(p + "attn_k.weight"),
-                            r.kv(p + "attn_v.weight")]),
+            wqkv=fuse_matrices([r.heads(p + "attn_q.weight", layout.q_heads), r.kv(p + "attn_k.weight"),
+                                r.kv(p + "attn_v.weight")], dtype),
             bqkv=bqkv,
             q_norm=whole(p + "attn_q_norm.weight") if cfg.qk_norm else None,
             k_norm=whole(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             wo=r.columns(p + "attn_output.weight", q_cols),
             ffn_norm=whole(p + "ffn_norm.weight"),
-            w_gate_up=torch.cat([r.rows(p + "ffn_gate.weight", layout.ffn), r.rows(p + "ffn_up.weight", layout.ffn)]),
+            w_gate_up=fuse_matrices([r.rows(p + "ffn_gate.weight", layout.ffn),
+                                     r.rows(p + "ffn_up.weight", layout.ffn)], dtype),
             w_down=r.columns(p + "ffn_down.weight", layout.ffn),
         ))
-    embed = r.vocab("token_embd.weight")
-    output = embed if cfg.tied_embeddings else r.vocab("output.weight")
-    return ModelWeights(embed=embed, layers=layers, out_norm=whole("output_norm.weight"), output=output)
+    embed = vector(r.vocab("token_embd.weight"))
+    output = r.vocab("token_embd.weight" if cfg.tied_embeddings else "output.weight", packed=True)
+    weights = ModelWeights(embed=embed, layers=layers, out_norm=whole("output_norm.weight"), output=output)
+    return quantize_weights(weights, weight_format)

@@ -38,8 +38,8 @@ class Collectives(Protocol):
 
 class ShardedStream(ResidualStream):
     """A rank's residual stream: each sub-layer's output arrives as the rank's partial sum and is summed
-    over the ranks before it joins the stream. Unfused (the float matrices tensor parallelism loads never
-    fuse), so `add` is the one place every sub-layer output passes."""
+    over the ranks before it joins the stream. Always unfused, so `add` is the one place every sub-layer output
+    passes."""
 
     def __init__(self, x: torch.Tensor, comm: Collectives, kernels: TorchKernels) -> None:
         super().__init__(x, fused=False, kernels=kernels)
@@ -57,6 +57,10 @@ class ShardedTransformer(Transformer):
         super().__init__(layout.local_config, weights, max_positions, kernels)
         self.layout = layout
         self.comm = comm
+
+    def _decide(self) -> None:
+        super()._decide()
+        self.whole_layers = None  # each sub-layer's output must pass the all-reduce (ShardedStream.add)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows for its token ids, zeros for the rest, summed."""

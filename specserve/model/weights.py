@@ -169,7 +169,7 @@ def add_dense_copies(weights: ModelWeights, dtype: torch.dtype, budget: int, ker
     return need
 
 
-def _fuse(parts: list[Weight], dtype: torch.dtype) -> Weight:
+def fuse_matrices(parts: list[Weight], dtype: torch.dtype) -> Weight:
     """Stack matrices along N, quantized if all parts are, else in `dtype`."""
     packed = [p for p in parts if isinstance(p, QuantWeight)]
     if len(packed) == len(parts):
@@ -239,7 +239,7 @@ def _is_experts(name: str) -> bool:
     return name.endswith(EXPERT_SUFFIXES)
 
 
-def _load_packed(gguf: GGUFFile, name: str, device: torch.device | str) -> QuantWeight | None:
+def load_packed(gguf: GGUFFile, name: str, device: torch.device | str) -> QuantWeight | None:
     """A block-quantized matrix of the file packed for the quantized kernels; None for other types."""
     ints = gguf.load_quant(name, device)
     return None if ints is None else QuantWeight.from_ints(ints.q, ints.scale, ints.mins, ints.group)
@@ -283,7 +283,7 @@ def _expert_weights(t: dict[str, Loaded], layer: int, config: ModelConfig, dtype
         raise SpecserveError(f"layer {layer}: router of shape {tuple(router.shape)} for {n_expert} experts")
     shared_gate_up = None
     if moe_tensor_name("shared_gate_proj", layer) in t:
-        shared_gate_up = _fuse([_matrix(take("shared_gate_proj")), _matrix(take("shared_up"))], dtype)
+        shared_gate_up = fuse_matrices([_matrix(take("shared_gate_proj")), _matrix(take("shared_up"))], dtype)
     shared_gate, shared_down = take("shared_gate"), take("shared_down")
     gate_up, down = _experts_as_loaded(gate, up, down, dtype)
     return ExpertWeights(router=router, gate_up=gate_up, down=down, shared_gate_up=shared_gate_up,
@@ -307,7 +307,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         def load(name: str) -> Loaded:
             quant: Loaded | None = None
             if weight_format == "gguf" and _is_matrix(name):
-                quant = _load_packed(gguf, name, device)
+                quant = load_packed(gguf, name, device)
             elif weight_format == "gguf" and pack_experts and _is_experts(name):
                 quant = _load_packed_experts(gguf, name, device)
             if quant is None:
@@ -319,7 +319,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
 
         t = dict(zip(names, pool.map(load, names), strict=True))
         if tied_output:  # the embedding stays a float table for lookups; the output matrix can stay packed
-            t["output.weight"] = _load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
+            t["output.weight"] = load_packed(gguf, "token_embd.weight", device) or t["token_embd.weight"]
             bar.update(1)
     n_float = sum(_is_experts(name) and isinstance(t[name], torch.Tensor) for name in names)
     if n_float and weight_format != "float" and not (pack_experts and weight_format == "q8"):  # q8: packed below
@@ -341,13 +341,13 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         layers.append(
             LayerWeights(
                 attn_norm=_tensor(t[p + "attn_norm.weight"]),
-                wqkv=_fuse([_matrix(t[p + f"attn_{x}.weight"]) for x in "qkv"], dtype),
+                wqkv=fuse_matrices([_matrix(t[p + f"attn_{x}.weight"]) for x in "qkv"], dtype),
                 bqkv=bqkv,
                 q_norm=opt(p + "attn_q_norm.weight"),
                 k_norm=opt(p + "attn_k_norm.weight"),
                 wo=_matrix(t[p + "attn_output.weight"]),
                 ffn_norm=_tensor(t[p + "ffn_norm.weight"]),
-                w_gate_up=_fuse([_matrix(t.pop(p + "ffn_gate.weight")), _matrix(t.pop(p + "ffn_up.weight"))],
+                w_gate_up=fuse_matrices([_matrix(t.pop(p + "ffn_gate.weight")), _matrix(t.pop(p + "ffn_up.weight"))],
                                 dtype) if dense else None,
                 w_down=_matrix(t[p + "ffn_down.weight"]) if dense else None,
                 experts=None if dense else _expert_weights(t, i, config, dtype),
