@@ -269,13 +269,24 @@ def test_q8_packs_the_experts_where_they_run(q4_file: Path) -> None:
 
 
 @pytest.mark.skipif(INTERPRET, reason="the CPU runs the Triton expert kernels here")
-def test_on_the_cpu_gguf_experts_and_greedy_text(q4_file: Path) -> None:
+def test_on_the_cpu_gguf_experts_and_greedy_text(q4_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the file's Q4_0 / Q8_0 experts stay packed where its packed-weight kernels run (else they
-    dequantize): greedy text as the float model's (on this model's 24 tokens: int8 activations round)."""
+    dequantize): with the exact products (SPECSERVE_CPU_EXACT=1) greedy text is the float model's over 24 tokens.
+    The default int8 products round activations with one scale per 32 (as llama.cpp), which on this 64-wide
+    random model moves an expert choice within a few tokens: only its first token is the float model's."""
     packed = LocalRunner(q4_file, n_ctx=64, device="cpu", progress=False, weight_format="gguf")
     plain = LocalRunner(q4_file, n_ctx=64, device="cpu", progress=False, weight_format="float")
     gate_up = packed.weights.layers[0].experts.gate_up
     assert isinstance(gate_up, QuantExperts) if kernels_for("cpu").experts_packed else gate_up.dtype == torch.float32
     tokenizer = Tokenizer.from_gguf(plain.gguf)
-    assert (generate(packed, tokenizer, PROMPT, 24, ignore_eos=True).tokens
-            == generate(plain, tokenizer, PROMPT, 24, ignore_eos=True).tokens)
+    want = generate(plain, tokenizer, PROMPT, 24, ignore_eos=True).tokens
+    rounded = generate(packed, tokenizer, PROMPT, 24, ignore_eos=True).tokens
+    assert len(rounded) == 24 and rounded[0] == want[0]
+    monkeypatch.setenv("SPECSERVE_CPU_EXACT", "1")
+    kernel_settings.reload()
+    try:
+        packed.kv_truncate(0, 0)
+        assert generate(packed, tokenizer, PROMPT, 24, ignore_eos=True).tokens == want
+    finally:
+        monkeypatch.delenv("SPECSERVE_CPU_EXACT")
+        kernel_settings.reload()
