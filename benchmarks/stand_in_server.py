@@ -27,6 +27,7 @@ from specserve.gguf.reader import GGUFFile
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
+from specserve.model.registry import read_config
 from specserve.server.app import create_app
 from specserve.server.engine import Engine, ServerSettings
 
@@ -40,6 +41,7 @@ class PromptEchoRunner(FakeRunner):
     def __init__(self, gguf: GGUFFile, n_seqs: int, n_ctx: int, vocab: int, args: argparse.Namespace):
         super().__init__([[] for _ in range(n_seqs)], n_ctx, args.step_ms, args.row_ms)
         self.gguf, self.vocab_size = gguf, vocab
+        self.config = read_config(gguf.metadata, set(gguf.tensor_names()))  # what the front's ModelFacts reads
         self.ledger = KVLedger(n_seqs, n_ctx, vocab)
         self.seq_len = self.ledger.seq_len
         self.dtype, self.weight_format, self.max_step_rows = torch.float32, "float", None

@@ -70,12 +70,8 @@ class KVMemory:
 
     def __init__(self, runner: Runner, slots: list[Slot], held: list[HeldPrefix], counters: SchedulerCounters,
                  lock: threading.Condition, n_batch: int, host_cache_bytes: int = 0):
-        self.runner = runner
-        self.slots = slots
-        self.held = held
-        self.counters = counters
-        self._cond = lock
-        self.n_batch = n_batch
+        self.runner, self.slots, self.held, self.counters = runner, slots, held, counters
+        self._cond, self.n_batch = lock, n_batch
         self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None  # --cache-ram (host_cache.py)
 
     def pick_slot(self, task: Task) -> Slot:

@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -251,31 +251,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ticket.release()
             raise
 
-    @app.post("/completion", openapi_extra=operation(CompletionRequest, stream=True))
-    @app.post("/completions", openapi_extra=operation(CompletionRequest, stream=True))
-    async def completion(request: Request) -> Response:
-        return await generate(request, build_completion)
+    def generating(build: Builder) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await generate(request, build)
+        return endpoint
 
-    @app.post("/infill", openapi_extra=operation(InfillRequest, stream=True))
-    async def infill(request: Request) -> Response:
-        return await generate(request, build_infill)
-
-    @app.post("/v1/completions", openapi_extra=operation(OpenAICompletionRequest, stream=True))
-    async def v1_completions(request: Request) -> Response:
-        return await generate(request, build_v1_completion)
-
-    @app.post("/v1/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
-    @app.post("/chat/completions", openapi_extra=operation(ChatRequest, stream=True))
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, build_chat)
-
-    @app.post("/v1/responses", openapi_extra=operation(ResponsesRequest, stream=True))
-    async def responses(request: Request) -> Response:
-        return await generate(request, functools.partial(build_responses, state.responses))
-
-    @app.post("/v1/messages", openapi_extra=operation(MessagesRequest, stream=True, anthropic=True))
-    async def messages(request: Request) -> Response:
-        return await generate(request, build_messages)
+    # The generating routes: name, paths, the body's schema (for the OpenAPI document), builder.
+    for name, paths, schema, build in (
+            ("completion", ("/completion", "/completions"), CompletionRequest, build_completion),
+            ("infill", ("/infill",), InfillRequest, build_infill),
+            ("v1_completions", ("/v1/completions",), OpenAICompletionRequest, build_v1_completion),
+            ("chat_completions", ("/v1/chat/completions", "/chat/completions"), ChatRequest, build_chat),
+            ("responses", ("/v1/responses",), ResponsesRequest, functools.partial(build_responses, state.responses)),
+            ("messages", ("/v1/messages",), MessagesRequest, build_messages)):
+        for path in paths:
+            app.add_api_route(path, generating(build), methods=["POST"], name=name,
+                              openapi_extra=operation(schema, stream=True, anthropic=schema is MessagesRequest))
 
     @app.post("/v1/messages/count_tokens", openapi_extra=operation(CountTokensRequest, anthropic=True))
     async def count_tokens(request: Request) -> Response:

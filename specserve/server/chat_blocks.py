@@ -8,6 +8,7 @@ these events, so a stream and a whole answer (the same reader over the whole tex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from specserve.server.chat_output import ChatOutput, OutputSpec, Piece, ReasoningDelta
 from specserve.server.tool_calls import ArgumentsDelta, CallStart, ContentDelta
@@ -23,22 +24,12 @@ class Block:
 
 
 @dataclass(frozen=True)
-class Opened:
+class BlockEvent:
+    """A block was "opened", "grew" by `text`, or was "closed"."""
+
+    change: Literal["opened", "grew", "closed"]
     block: Block
-
-
-@dataclass(frozen=True)
-class Grew:
-    block: Block
-    text: str
-
-
-@dataclass(frozen=True)
-class Closed:
-    block: Block
-
-
-BlockEvent = Opened | Grew | Closed
+    text: str = ""
 
 
 class BlockReader:
@@ -62,7 +53,7 @@ class BlockReader:
         """The answer ended: what the readers held, and the last block closed."""
         events = self._events(self._output.finish())
         if self._open is not None:
-            events.append(Closed(self._open))
+            events.append(BlockEvent("closed", self._open))
             self._open = None
         return events
 
@@ -89,15 +80,15 @@ class BlockReader:
         return self._grow(self.blocks[-1], piece.text, events)
 
     def _start(self, block: Block) -> list[BlockEvent]:
-        events: list[BlockEvent] = [Closed(self._open)] if self._open is not None else []
+        events: list[BlockEvent] = [BlockEvent("closed", self._open)] if self._open is not None else []
         self.blocks.append(block)
         self._open = block
-        return [*events, Opened(block)]
+        return [*events, BlockEvent("opened", block)]
 
     @staticmethod
     def _grow(block: Block, text: str, events: list[BlockEvent]) -> list[BlockEvent]:
         block.text += text
-        return [*events, Grew(block, text)] if text else events
+        return [*events, BlockEvent("grew", block, text)] if text else events
 
 
 def read_blocks(text: str, spec: OutputSpec) -> BlockReader:

@@ -15,7 +15,7 @@ import secrets
 from typing import Any
 
 from specserve.engine.tasks import Chunk, Result, Task
-from specserve.server.chat_blocks import Block, BlockEvent, BlockReader, Closed, Grew, Opened, read_blocks
+from specserve.server.chat_blocks import Block, BlockEvent, BlockReader, read_blocks
 from specserve.server.chat_output import OutputSpec
 from specserve.server.engine import Engine
 from specserve.server.errors import anthropic_error_body
@@ -113,11 +113,11 @@ class MessagesFormat(Format):
         out: list[dict[str, Any]] = []
         for event in events:
             index = event.block.index
-            if isinstance(event, Opened):
+            if event.change == "opened":
                 out.append({"type": "content_block_start", "index": index, "content_block": _block(event.block, "")})
-            elif isinstance(event, Grew):
+            elif event.change == "grew":
                 out.append({"type": "content_block_delta", "index": index, "delta": _delta(event.block, event.text)})
             else:
-                assert isinstance(event, Closed)
+                assert event.change == "closed"
                 out.append({"type": "content_block_stop", "index": index})
         return out

@@ -21,6 +21,67 @@ PREFIX = "llamacpp:"
 PROCESS_START = int(time.time())
 
 
+# The series read straight from a counters field: (kind, series, field, help), in llama-server's names where it
+# has one; spec_decode_* count every speculative type (the per-type series below are labelled).
+Counter, Gauge = CounterMetricFamily, GaugeMetricFamily
+_SERIES: tuple[tuple[Callable[..., Metric], str, str, str], ...] = (
+    (Counter, "prompt_tokens", "prompt_tokens",
+     "Number of prompt tokens processed, excluding cached tokens."),
+    (Counter, "prompt_tokens_cached", "prompt_tokens_cached",
+     "Number of prompt tokens reused from a slot's cache."),
+    (Counter, "prompt_seconds", "prompt_seconds",
+     "Prompt process time."),
+    (Counter, "prompt_tokens_shared", "prompt_tokens_shared",
+     "Prompt tokens taken from another slot's cache or a held prefix (shared blocks) instead of evaluated."),
+    (Counter, "tokens_predicted", "tokens_predicted",
+     "Number of generation tokens processed."),
+    (Counter, "tokens_predicted_seconds", "predicted_seconds",
+     "Predict process time."),
+    (Counter, "n_decode", "n_decode",
+     "Number of forward passes (all slots together)."),
+    (Counter, "requests_finished", "requests_done",
+     "Requests that finished (incl. stopped by the client)."),
+    (Counter, "requests_failed", "requests_failed",
+     "Requests that failed inside the engine."),
+    (Counter, "spec_decode_num_drafts", "spec_drafts",
+     "Verification steps that carried a draft."),
+    (Counter, "spec_decode_num_draft_tokens", "spec_draft_tokens",
+     "Draft tokens verified by the target."),
+    (Counter, "spec_decode_num_accepted_tokens", "spec_accepted",
+     "Draft tokens accepted by the target."),
+    (Counter, "kv_preemptions", "kv_preemptions",
+     "Running requests that gave back their KV for others and read their tokens again later."),
+    (Counter, "context_shifts", "context_shifts",
+     "Generations that filled their context and went on without their oldest tokens."),
+    (Counter, "prompt_tokens_host", "prompt_tokens_host",
+     "Prompt tokens read back from the host prompt cache (--cache-ram) instead of evaluated."),
+    (Counter, "host_cache_kept", "host_cache_kept",
+     "Prompt caches the KV pool gave up that the host cache kept."),
+    (Gauge, "requests_processing", "requests_processing",
+     "Number of requests processing."),
+    (Gauge, "requests_deferred", "requests_deferred",
+     "Number of requests deferred (waiting for a slot)."),
+    (Gauge, "n_tokens_max", "n_tokens_max",
+     "Largest observed n_tokens in a slot."),
+    (Gauge, "kv_cache_tokens", "kv_tokens",
+     "KV pool positions in use (whole blocks, shared ones once)."),
+    (Gauge, "host_cache_bytes", "host_cache_bytes",
+     "Bytes the host prompt cache holds."),
+    (Gauge, "shared_suffix_requests", "shared_requests",
+     "Earlier requests ngram-suffix may draft from, all scopes (--spec-shared-tokens)."),
+    (Gauge, "shared_suffix_tokens", "shared_tokens",
+     "Their tokens (prompts and outputs)."),
+)
+# Gauges that are one field over another (0 while the second is 0): (series, numerator, denominator, help).
+_RATIOS = (
+    ("n_busy_slots_per_decode", "n_busy_slots", "n_decode", "Average number of busy slots per forward pass."),
+    ("prompt_tokens_seconds", "prompt_tokens", "prompt_seconds", "Average prompt throughput in tokens/s."),
+    ("predicted_tokens_seconds", "tokens_predicted", "predicted_seconds",
+     "Average generation throughput in tokens/s (per request)."),
+    ("kv_cache_usage_ratio", "kv_tokens", "kv_capacity", "KV pool positions in use / all positions."),
+)
+
+
 class SchedulerCollector(Collector):
     def __init__(self, counters: Callable[[], SchedulerCounters | None]):
         self._counters = counters
@@ -29,47 +90,17 @@ class SchedulerCollector(Collector):
         c = self._counters()
         if c is None:  # still loading: no series yet
             return
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(PREFIX + name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, doc, value=value)
-
-        yield counter("prompt_tokens", "Number of prompt tokens processed, excluding cached tokens.", c.prompt_tokens)
-        yield counter("prompt_tokens_cached", "Number of prompt tokens reused from a slot's cache.",
-                      c.prompt_tokens_cached)
-        yield counter("prompt_seconds", "Prompt process time.", c.prompt_seconds)
-        yield counter("prompt_tokens_shared", "Prompt tokens taken from another slot's cache or a held prefix "
-                      "(shared blocks) instead of evaluated.", c.prompt_tokens_shared)
-        yield counter("tokens_predicted", "Number of generation tokens processed.", c.tokens_predicted)
-        yield counter("tokens_predicted_seconds", "Predict process time.", c.predicted_seconds)
-        yield counter("n_decode", "Number of forward passes (all slots together).", c.n_decode)
-        yield counter("requests_finished", "Requests that finished (incl. stopped by the client).",
-                      c.requests_done)
-        yield counter("requests_failed", "Requests that failed inside the engine.", c.requests_failed)
-        yield gauge("n_busy_slots_per_decode", "Average number of busy slots per forward pass.",
-                    c.n_busy_slots / c.n_decode if c.n_decode else 0.0)
-        yield gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                    c.prompt_tokens / c.prompt_seconds if c.prompt_seconds else 0.0)
-        yield gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s (per request).",
-                    c.tokens_predicted / c.predicted_seconds if c.predicted_seconds else 0.0)
-        yield gauge("requests_processing", "Number of requests processing.", c.requests_processing)
-        yield gauge("requests_deferred", "Number of requests deferred (waiting for a slot).",
-                    c.requests_deferred)
-        yield gauge("n_tokens_max", "Largest observed n_tokens in a slot.", c.n_tokens_max)
-        yield gauge("kv_cache_tokens", "KV pool positions in use (whole blocks, shared ones once).", c.kv_tokens)
-        yield gauge("kv_cache_usage_ratio", "KV pool positions in use / all positions.",
-                    c.kv_tokens / c.kv_capacity if c.kv_capacity else 0.0)
+        for kind, name, field, doc in _SERIES:
+            yield kind(PREFIX + name, doc, value=getattr(c, field))
+        for name, top, bottom, doc in _RATIOS:
+            below = getattr(c, bottom)
+            yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(c, top) / below if below else 0.0)
         seen = c.prompt_tokens + c.prompt_tokens_cached
-        yield gauge("prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache or another's shared "
-                    "prefix) / all prompt tokens, since start.", c.prompt_tokens_cached / seen if seen else 0.0)
-        yield gauge("process_start_time_seconds", "Start time of the server process (Unix seconds).",
-                    PROCESS_START)
-        # llama-server's speculative series, over every speculative type (the per-type ones follow).
-        yield counter("spec_decode_num_drafts", "Verification steps that carried a draft.", c.spec_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified by the target.", c.spec_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", c.spec_accepted)
+        yield GaugeMetricFamily(PREFIX + "prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache "
+                                "or another's shared prefix) / all prompt tokens, since start.",
+                                value=c.prompt_tokens_cached / seen if seen else 0.0)
+        yield GaugeMetricFamily(PREFIX + "process_start_time_seconds", "Start time of the server process (Unix "
+                                "seconds).", value=PROCESS_START)
         turns = CounterMetricFamily(PREFIX + "draft_gate_turns", "Turns with two or more generating slots, by "
                                     "whether the draft gate let them draft.", labels=["choice"])
         turns.add_metric(["draft"], c.turns_drafting)
@@ -84,18 +115,6 @@ class SchedulerCollector(Collector):
             accepted.add_metric([name], c.draft_accepted.get(name, 0))
         yield generated
         yield accepted
-        yield counter("kv_preemptions", "Running requests that gave back their KV for others and read their tokens "
-                      "again later (a full pool: engine/kv_room.py).", c.kv_preemptions)
-        yield counter("context_shifts", "Generations that filled their context and went on without their oldest "
-                      "tokens (--context-shift).", c.context_shifts)
-        yield counter("prompt_tokens_host", "Prompt tokens read back from the host prompt cache (--cache-ram) "
-                      "instead of evaluated (part of the cached).", c.prompt_tokens_host)
-        yield counter("host_cache_kept", "Prompt caches the KV pool gave up that the host cache kept.",
-                      c.host_cache_kept)
-        yield gauge("host_cache_bytes", "Bytes the host prompt cache holds.", c.host_cache_bytes)
-        yield gauge("shared_suffix_requests", "Earlier requests ngram-suffix may draft from, all scopes "
-                    "(--spec-shared-tokens).", c.shared_requests)
-        yield gauge("shared_suffix_tokens", "Their tokens (prompts and outputs).", c.shared_tokens)
 
 
 def make_registry(counters: Callable[[], SchedulerCounters | None]) -> CollectorRegistry:

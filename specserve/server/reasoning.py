@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from specserve.server.tool_scanners import partial_tail
+from specserve.server.tool_scanners import Trimmed, partial_tail
 
 FORMATS = ("none", "deepseek", "auto")
 PAIRS = (("<think>", "</think>"), ("<|begin_of_thought|>", "<|end_of_thought|>"), ("<thinking>", "</thinking>"))
@@ -80,8 +80,7 @@ class ReasoningStream:
         self._state = "content" if fmt == "none" else "open" if started_open else "start"
         self._closers = CLOSERS
         self._buf = ""
-        self._lead = True  # reasoning's leading whitespace is dropped
-        self._held = ""  # reasoning's trailing whitespace
+        self._reasoning_text = Trimmed(lead=True)  # the reasoning is stripped
         self._handlers: dict[str, Callable[[bool], list[Part]]] = {
             "start": self._start, "open": self._open, "reasoning": self._reasoning, "after": self._after,
             "content": self._content}
@@ -93,7 +92,7 @@ class ReasoningStream:
     def finish(self) -> list[Part]:
         """The output ended: what is held is decided now (an unclosed block's reasoning ends here)."""
         parts = self._drain(final=True)
-        self._held = ""
+        self._reasoning_text.held = ""
         return parts
 
     def _drain(self, final: bool) -> list[Part]:
@@ -121,19 +120,17 @@ class ReasoningStream:
         self._state = "reasoning"
 
     def _start(self, final: bool) -> list[Part]:
-        known, pair = self._opener(final)
-        if known:
-            if pair is None:
-                self._state = "content"
-            else:
-                self._enter(pair)
-        return []
+        return self._at_opener(final, "content")
 
     def _open(self, final: bool) -> list[Part]:
+        return self._at_opener(final, "reasoning")
+
+    def _at_opener(self, final: bool, without: str) -> list[Part]:
+        """An opener (once known) enters its block; with none the output goes on in state `without`."""
         known, pair = self._opener(final)
         if known:
             if pair is None:
-                self._state = "reasoning"
+                self._state = without
             else:
                 self._enter(pair)
         return []
@@ -143,7 +140,7 @@ class ReasoningStream:
         if end >= 0:
             parts = self._think(self._buf[:end])
             self._buf = self._buf[end + len(closer):]
-            self._held = ""
+            self._reasoning_text.held = ""
             self._state = "after"
             return parts
         cut = len(self._buf) - (0 if final else partial_tail(self._buf, self._closers))
@@ -152,14 +149,7 @@ class ReasoningStream:
         return parts
 
     def _think(self, text: str) -> list[Part]:
-        if self._lead:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._lead = False
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body):]
+        body = self._reasoning_text.add(text)
         return [("reasoning", body)] if body else []
 
     def _after(self, final: bool) -> list[Part]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.engine.tasks import Chunk, Result, Task
-from specserve.server.chat_blocks import Block, BlockEvent, BlockReader, Closed, Grew, Opened, read_blocks
+from specserve.server.chat_blocks import Block, BlockEvent, BlockReader, read_blocks
 from specserve.server.chat_output import OutputSpec
 from specserve.server.engine import Engine
 from specserve.server.formats import Format
@@ -136,12 +136,12 @@ class ResponsesFormat(Format):
     def _stream(self, events: list[BlockEvent], result: Result | None) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for event in events:
-            if isinstance(event, Opened):
+            if event.change == "opened":
                 out += self._opened(event.block)
-            elif isinstance(event, Grew):
+            elif event.change == "grew":
                 out.append(self._grew(event.block, event.text))
             else:
-                assert isinstance(event, Closed)
+                assert event.change == "closed"
                 # a block closed before the end has a block after it: complete; the last one may be cut
                 status = "completed" if result is None else self._status(event.block, self._reader.blocks, result)
                 out += self._closed(event.block, status)

@@ -37,6 +37,7 @@ from specserve.server.tool_scanners import (
     SCANNERS,
     Piece,
     TextPiece,
+    Trimmed,
     check_format,
 )
 
@@ -123,8 +124,7 @@ class ToolCallStream:
         self._fmt = fmt
         self._scanner = SCANNERS[fmt](tool_names)
         self._buf = ""
-        self._held_space = ""  # content's trailing whitespace, dropped if a call follows it
-        self._after_call = False  # whitespace right after a call is dropped
+        self._text = Trimmed(lead=False)  # whitespace next to a call is dropped
         self._calls = 0
         self._finished = False
 
@@ -139,9 +139,9 @@ class ToolCallStream:
         if self._finished:
             return []
         events = self._drain(final=True)
-        if self._held_space:
-            events.append(ContentDelta(self._held_space))
-            self._held_space = ""
+        if self._text.held:
+            events.append(ContentDelta(self._text.held))
+            self._text.held = ""
         self._finished = True
         return events
 
@@ -161,21 +161,14 @@ class ToolCallStream:
     def _emit(self, piece: Piece) -> list[Event]:
         if isinstance(piece, TextPiece):
             return self._content(piece.text)
-        self._held_space = ""
-        self._after_call = True
+        self._text.held = ""
+        self._text.lead = True
         index = self._calls
         self._calls += 1
         return [CallStart(index, new_call_id(self._fmt), piece.name), ArgumentsDelta(index, piece.arguments)]
 
     def _content(self, text: str) -> list[Event]:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._after_call = False
-        text = self._held_space + text
-        body = text.rstrip()
-        self._held_space = text[len(body):]
+        body = self._text.add(text)
         return [ContentDelta(body)] if body else []
 
 

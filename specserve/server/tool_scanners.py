@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 FORMATS = ("hermes", "llama3", "mistral", "generic")
 
@@ -27,15 +26,14 @@ _MISTRAL_NAME = re.compile(r"[^\s\[\]{}\"]+")
 _IN_STRING = re.compile(r'["\\]')  # what ends or escapes inside a JSON string
 _OUTSIDE_STRING = re.compile(r'[{}\[\]"]')  # brackets and the start of a string
 
-@dataclass(frozen=True)
-class TextPiece:
+
+class TextPiece(NamedTuple):
     text: str
 
 
-@dataclass(frozen=True)
-class CallPiece:
+class CallPiece(NamedTuple):
     name: str
-    arguments: str
+    arguments: str  # compact JSON
 
 
 Piece = TextPiece | CallPiece
@@ -58,6 +56,28 @@ def partial_tail(buf: str, markers: Iterable[str]) -> int:
                 best = size
                 break
     return best
+
+
+class Trimmed:
+    """Streamed text with the whitespace at its edges dropped: leading whitespace while `lead` (set again after a
+    boundary, e.g. a call), and trailing whitespace held back until text follows it (`held`), since a boundary may
+    come next. The tool-call stream trims content with it, the reasoning splitter its reasoning."""
+
+    def __init__(self, lead: bool):
+        self.lead = lead
+        self.held = ""
+
+    def add(self, text: str) -> str:
+        """What of `text` can go out now."""
+        if self.lead:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.lead = False
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
 
 
 def _content(buf: str, markers: tuple[str, ...], final: bool) -> _Step | None:
@@ -83,6 +103,16 @@ def _opens_object(buf: str, start: int, keys: tuple[str, ...]) -> bool | None:
     if any(rest.startswith(key) for key in keys):
         return True
     return None if any(key.startswith(rest) for key in keys) else False
+
+
+def _leading_object(buf: str, keys: tuple[str, ...], final: bool) -> int | None:
+    """Where a call object that opens the output (after whitespace) starts, -1 if the output opens with none, None
+    while not yet known (`keys`: its possible first keys)."""
+    start = _skip_space(buf, 0)
+    opens = _opens_object(buf, start, keys)
+    if opens is None and not final:
+        return None
+    return start if opens else -1
 
 
 def _reject_constant(name: str) -> Any:
@@ -220,16 +250,28 @@ def _closer_end(buf: str, pos: int, closer: str, final: bool) -> int | None:
     return pos
 
 
-class _Hermes(_Scanner):
-    def step(self, buf: str, final: bool) -> _Step | None:
-        if buf.startswith(HERMES_OPEN):
-            return self._call(buf, final)
-        return _content(buf, (HERMES_OPEN,), final)
+class _Marked(_Scanner):
+    """A format whose calls follow a marker, anywhere in the output: `_after` reads from the first character past
+    the marker and its whitespace."""
 
-    def _call(self, buf: str, final: bool) -> _Step | None:
-        start = _skip_space(buf, len(HERMES_OPEN))
+    marker: str
+
+    def step(self, buf: str, final: bool) -> _Step | None:
+        if not buf.startswith(self.marker):
+            return _content(buf, (self.marker,), final)
+        start = _skip_space(buf, len(self.marker))
         if start == len(buf):
             return _unfinished(buf, final)
+        return self._after(buf, start, final)
+
+    def _after(self, buf: str, start: int, final: bool) -> _Step | None:
+        raise NotImplementedError
+
+
+class _Hermes(_Marked):
+    marker = HERMES_OPEN
+
+    def _after(self, buf: str, start: int, final: bool) -> _Step | None:
         if buf[start] != "{":  # some other syntax inside the tag: the tag is just text
             return start, [TextPiece(buf[:start])]
         end = self._json_end(buf, start)
@@ -258,11 +300,10 @@ class _Llama3(_Scanner):
         return _content(buf, (PYTHON_TAG,), final)
 
     def _leading(self, buf: str, final: bool) -> _Step | None:
-        start = _skip_space(buf, 0)
-        opens = _opens_object(buf, start, _LLAMA3_KEYS)
-        if opens is None and not final:
+        start = _leading_object(buf, _LLAMA3_KEYS, final)
+        if start is None:
             return None
-        if not opens:
+        if start < 0:
             self._at_start = False
             return self.step(buf, final)
         step = self._object(buf, start, final)
@@ -303,16 +344,10 @@ class _Llama3(_Scanner):
         return end, [call or TextPiece(buf[:end])]
 
 
-class _Mistral(_Scanner):
-    def step(self, buf: str, final: bool) -> _Step | None:
-        if buf.startswith(MISTRAL_CALLS):
-            return self._calls(buf, final)
-        return _content(buf, (MISTRAL_CALLS,), final)
+class _Mistral(_Marked):
+    marker = MISTRAL_CALLS
 
-    def _calls(self, buf: str, final: bool) -> _Step | None:
-        start = _skip_space(buf, len(MISTRAL_CALLS))
-        if start == len(buf):
-            return _unfinished(buf, final)
+    def _after(self, buf: str, start: int, final: bool) -> _Step | None:
         if buf[start] in "[{":
             end = self._json_end(buf, start)
             if end is None:
@@ -353,11 +388,10 @@ class _Generic(_Scanner):
     def step(self, buf: str, final: bool) -> _Step | None:
         if not self._at_start:
             return _content(buf, (), final)
-        start = _skip_space(buf, 0)
-        opens = _opens_object(buf, start, _GENERIC_KEYS)
-        if opens is None and not final:
+        start = _leading_object(buf, _GENERIC_KEYS, final)
+        if start is None:
             return None
-        if not opens:
+        if start < 0:
             self._at_start = False
             return _content(buf, (), final)
         end = self._json_end(buf, start)

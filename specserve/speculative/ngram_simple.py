@@ -14,7 +14,6 @@ class NgramSimple(Speculator):
     """Pattern = last n-1 history tokens + the last sampled token; draft = what followed it before."""
 
     name = "ngram_simple"
-    _index: NgramIndex
 
     def __init__(self, params: SpecParams):
         super().__init__()
@@ -22,7 +21,7 @@ class NgramSimple(Speculator):
         self.size_m = params.ngram_size_m  # most tokens copied after a match
         self.check_rate = params.ngram_check_rate  # search only every check_rate tokens
         self._idx_last_check = 0  # history length at the last search
-        self._index = NgramIndex(self.size_n)
+        self._index: NgramIndex = NgramIndex(self.size_n)
 
     def begin(self, prompt: list[int]) -> None:
         self._idx_last_check = 0

@@ -192,6 +192,10 @@ typedef struct {
     int regs;
 } job;
 
+// Row r's weight words and its groups' (scale, min) pairs.
+static inline const int32_t* row_words(const job* a, int r) { return a->p.words + (int64_t)r * a->p.words_per_row; }
+static inline const uint16_t* row_sm(const job* a, int r) { return a->p.sm + (int64_t)r * a->p.groups_per_row * 2; }
+
 #if VL == 8
 #include "spans.h"
 #endif
@@ -233,8 +237,8 @@ static inline __attribute__((always_inline)) void rows_of(const job* a, int r0, 
         vf acc[CHUNK_VECS][ROWS], acc_min[CHUNK_VECS][ROWS];
         for (int s = 0; s < CHUNK_VECS; ++s)
             for (int m = 0; m < ROWS; ++m) acc[s][m] = acc_min[s][m] = v_zero();
-        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
-        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
+        const int32_t* wr = row_words(a, r);
+        const uint16_t* sr = row_sm(a, r);
         for (int c = 0; c < whole; ++c) {
             // a chunk is one cache line of words: fetch the line PREFETCH bytes ahead (the next rows of this
             // thread's block), and its scales; decode streams the weights from memory once a token
@@ -275,8 +279,8 @@ static inline __attribute__((always_inline)) void rows_grouped(const job* a, int
     for (int r = r0; r < r1; ++r) {
         vf acc[ROWS], acc_min[ROWS];
         for (int m = 0; m < ROWS; ++m) acc[m] = acc_min[m] = v_zero();
-        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
-        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
+        const int32_t* wr = row_words(a, r);
+        const uint16_t* sr = row_sm(a, r);
         for (int blk = 0; blk < blocks; ++blk) {
             for (int line = 0; line < 4; ++line)  // the block's 4 cache lines, PREFETCH bytes ahead
                 _mm_prefetch((const char*)(wr + 64 * blk + 16 * line) + PREFETCH, _MM_HINT_T0);

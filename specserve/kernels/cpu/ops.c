@@ -132,6 +132,14 @@ static void decode_rows(const kv_cache* c, const int32_t* blocks, int block_shif
     }
 }
 
+// The rows of one head from position j0 to the end of its block: in the decoded copy where the cache is packed
+// (dense), else in the block itself.
+static inline const float* block_rows(const kv_cache* c, const float* dense, const int32_t* blocks, int block_shift,
+                                      int64_t head, int j0, int dim) {
+    if (dense) return dense + (int64_t)j0 * dim;
+    return (const float*)c->data + (int64_t)blocks[j0 >> block_shift] * c->block_stride + head;
+}
+
 // Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
 // sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift], whose
 // rows of one head are contiguous: the loops walk a block's rows at a time. A kv head's rows are read from memory
@@ -165,9 +173,7 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
         const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
         const int bsize = 1 << a->block_shift;
         for (int j0 = 0; j0 < len; j0 += bsize) {
-            const float* kb = k_dense ? k_dense + (int64_t)j0 * dim
-                                      : (const float*)a->k.data + (int64_t)blocks[j0 >> a->block_shift] *
-                                                                      a->k.block_stride + k_head;
+            const float* kb = block_rows(&a->k, k_dense, blocks, a->block_shift, k_head, j0, dim);
             const int jn = len - j0 < bsize ? len - j0 : bsize;
             for (int g = 0; g < group; ++g) {
                 const float* qg = q + g * dim;
@@ -212,9 +218,7 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                 vf acc[8];
                 for (int u = 0; u < vecs; ++u) acc[u] = v_zero();
                 for (int j0 = 0; j0 < len; j0 += bsize) {
-                    const float* vb = v_dense ? v_dense + (int64_t)j0 * dim
-                                              : (const float*)a->v.data + (int64_t)blocks[j0 >> a->block_shift] *
-                                                                              a->v.block_stride + v_head;
+                    const float* vb = block_rows(&a->v, v_dense, blocks, a->block_shift, v_head, j0, dim);
                     const int jn = len - j0 < bsize ? len - j0 : bsize;
                     for (int j = 0; j < jn; ++j) {
                         const vf s = v_set1(sc[j0 + j]);

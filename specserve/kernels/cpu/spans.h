@@ -67,10 +67,10 @@ static inline __attribute__((always_inline)) void rows_spans(const job* a, int r
     const int64_t q_row = (int64_t)spans * (span_words / 16) * REGS * 64, g_row = (int64_t)spans * SPAN_GROUPS;
     const vi nibble = vi_set1(0x0F0F0F0F);
     for (int r = r0; r < r1; ++r) {
+        const int32_t* wr = row_words(a, r);
+        const uint16_t* sr = row_sm(a, r);
         vf acc[ROWS], acc_min[ROWS];
         for (int m = 0; m < ROWS; ++m) acc[m] = acc_min[m] = v_zero();
-        const int32_t* wr = a->p.words + (int64_t)r * a->p.words_per_row;
-        const uint16_t* sr = a->p.sm + (int64_t)r * a->p.groups_per_row * 2;
         for (int sp = 0; sp < spans; ++sp) {
             const int w0 = sp * span_words, left = a->p.words_per_row - w0;
             for (int line = 0; line < span_words / 16; ++line)  // the span's cache lines, PREFETCH bytes ahead
