@@ -42,6 +42,10 @@ from specserve.gguf.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+# The states the per-turn scans over every slot ask for, as locals of the module (a class attribute lookup and an
+# enum comparison per slot cost ~3x an identity test)
+GENERATING = SlotState.GENERATING
+READING = (SlotState.PROMPT, SlotState.RESUMING)
 
 
 class Scheduler:
@@ -179,7 +183,7 @@ class Scheduler:
                     self.settler.fail(slot, message)
 
     def _turn(self) -> None:
-        generating = sum(s.state == SlotState.GENERATING for s in self.slots)
+        generating = sum(s.state is GENERATING for s in self.slots)
         self.drafting.begin_turn(generating, self.counters.requests_processing)
         if generating > 1:
             with self._cond:
@@ -287,7 +291,7 @@ class Scheduler:
         """Whether the next step can be queued before the step in flight (its live entries) is read: each slot
         in it needs only argmax and carries no draft (a step's first token at a known position), and none ends
         for sure."""
-        if not live and not self._queue and not any(s.state in (SlotState.PROMPT, SlotState.RESUMING)
+        if not live and not self._queue and not any(s.state in READING
                                                     for s in self.slots):
             return False
         if self.jobs.pending and self.jobs.ready():  # let it run at the next turn, with no step in flight
@@ -313,7 +317,7 @@ class Scheduler:
         fed = [e for e in in_flight or () if not e.prompt or e.final]
         chained = {e.slot.id for e in fed}
         decoding = [s for s in self.slots
-                    if s.state == SlotState.GENERATING and s.handle is not None and s.id not in chained]
+                    if s.state is GENERATING and s.handle is not None and s.id not in chained]
         starved = self.memory.reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
                                 + [(s, len(s.cache)) for s in decoding])
         while starved:
@@ -337,7 +341,7 @@ class Scheduler:
             self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)
         for slot in decoding:
             self._plan_decode(plan, slot, drafts.get(slot.id, []), room)
-        reading = [s for s in self.slots if s.state in (SlotState.PROMPT, SlotState.RESUMING)
+        reading = [s for s in self.slots if s.state in READING
                    and s.handle is not None and s.id not in chained]
         if reading:
             self.memory.plan_reading(plan, reading, room)

@@ -10,10 +10,11 @@ once: `tail` (the stream's last events) and `combine` (the body).
 from __future__ import annotations
 
 import functools
-import json
 import secrets
 import time
 from typing import Any
+
+import msgspec
 
 from specserve.build_info import build_info
 from specserve.engine.tasks import Chunk, Progress, Result, Task, TokenProb
@@ -21,6 +22,10 @@ from specserve.server.chat_output import ChatOutput, OutputSpec, delta_json, fin
 from specserve.server.engine import Engine
 from specserve.server.errors import error_body
 from specserve.server.params import llama_params
+
+# A stream's events are encoded many times a step: msgspec's encoder (compact JSON, UTF-8 kept, as llama-server
+# writes it) takes a tenth of json.dumps' time.
+_json = msgspec.json.Encoder().encode
 
 FINISH_REASON = {"eos": "stop", "word": "stop", "limit": "length", "cancelled": "stop"}
 
@@ -82,7 +87,7 @@ class Format:
 
     def sse(self, obj: dict[str, Any]) -> str:
         """One server-sent event."""
-        data = f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        data = f"data: {_json(obj).decode()}\n\n"
         return f"event: {obj['type']}\n{data}" if self.named_events else data
 
     def error(self, status: int, message: str) -> dict[str, Any]:
