@@ -16,7 +16,9 @@ graph replay. Tokenizer, chat template, scheduler, speculators, HTTP and streami
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -29,6 +31,7 @@ from specserve.model.batch import Batch
 from specserve.model.kv_ledger import KVLedger
 from specserve.model.registry import read_config
 from specserve.server.app import create_app
+from specserve.server.core_client import CoreClient
 from specserve.server.engine import Engine, ServerSettings
 
 
@@ -84,6 +87,14 @@ class PromptEchoRunner(FakeRunner):
         self.history[dst], self.prompt_len[dst] = list(self.history[src]), self.prompt_len[src]
 
 
+def stand_in_runner(args: argparse.Namespace, settings: ServerSettings) -> tuple[PromptEchoRunner, None, Path]:
+    """The engine core's loader: the stand-in runner over smollm2-135m's vocabulary."""
+    path = Path(settings.model or catalog.resolve("smollm2-135m"))
+    gguf = GGUFFile(path)
+    vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
+    return PromptEchoRunner(gguf, args.slots, args.ctx, vocab, args), None, path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=8123)
@@ -97,16 +108,20 @@ def main() -> None:
     ap.add_argument("--newline", type=int, default=198, help="the token written there")
     ap.add_argument("--draft-policy", choices=("adaptive", "gated", "always"), default="adaptive",
                     help="as `specserve serve --draft-policy`")
+    ap.add_argument("--core-process", action="store_true",
+                    help="the scheduler in an engine core process of its own, as `specserve serve` runs it (default: "
+                         "a thread of this process, as --core-in-process)")
     args = ap.parse_args()
     path = catalog.resolve("smollm2-135m")
-    gguf = GGUFFile(path)
-    tokenizer = Tokenizer.from_gguf(gguf)
     settings = ServerSettings(model=str(path), n_parallel=args.slots, adaptive_drafts=args.draft_policy != "always",
                               endpoint_metrics=True,
                               chain_drafts=args.draft_policy == "adaptive")
-    vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
-    runner = PromptEchoRunner(gguf, args.slots, args.ctx, vocab, args)
-    engine = Engine.local(settings, path, runner, None, tokenizer)  # type: ignore[arg-type]
+    if args.core_process:
+        client = CoreClient(settings, loader=functools.partial(stand_in_runner, args))
+        engine = Engine(settings, client.model, client, Tokenizer.from_gguf(client.model.file))
+    else:
+        runner, _, _ = stand_in_runner(args, settings)
+        engine = Engine.local(settings, path, runner, None, Tokenizer.from_gguf(runner.gguf))  # type: ignore[arg-type]
     app = create_app(settings, engine=engine)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, loop="asyncio",
                 http="httptools")

@@ -82,6 +82,10 @@ class ModelFacts:
         return cls(file, draft, runner.n_ctx, cfg.vocab_size, cfg.context_length, cfg.hidden, runner.file_bytes)
 
 
+# What the engine core loads its runners with: (target, draft or None, the model's path) for the settings.
+Loader = Callable[["ServerSettings"], tuple[Runner, Runner | None, Path]]
+
+
 def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner, Runner | None, Path]:
     """The served model's runners (target, draft or None) and its path, warmed up for the slots."""
     ctx = settings.kv_size()  # the most one slot may reach: the pool, as given; else the runner's default

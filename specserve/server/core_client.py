@@ -27,7 +27,7 @@ from specserve.engine.slots import SchedulerCounters
 from specserve.engine.tasks import Event, Failure, Result, Task, check_task
 from specserve.errors import SpecserveError
 from specserve.server import core_process
-from specserve.server.core import CoreJob, ModelFacts
+from specserve.server.core import CoreJob, Loader, ModelFacts, load_model
 from specserve.server.errors import Unavailable
 from specserve.server.settings import ServerSettings
 
@@ -50,7 +50,7 @@ class _RemoteHandle:
 class CoreClient:
     """Starts the engine core's process, waits until it has loaded the model, and speaks for it."""
 
-    def __init__(self, settings: ServerSettings, load_timeout: float | None = None):
+    def __init__(self, settings: ServerSettings, load_timeout: float | None = None, loader: Loader = load_model):
         self.settings = settings
         self._dir = tempfile.mkdtemp(prefix="specserve-core-")
         self._ctx = zmq.Context()
@@ -68,7 +68,7 @@ class CoreClient:
         self._process = spawn.Process(
             target=core_process.main, name="specserve-core", daemon=True,
             args=(settings, f"ipc://{self._dir}/requests", f"ipc://{self._dir}/events",
-                  logging.getLogger("specserve").getEffectiveLevel()))
+                  logging.getLogger("specserve").getEffectiveLevel(), loader))
         self._process.start()
         try:
             self.model: ModelFacts = self._wait_ready(load_timeout)

@@ -32,7 +32,7 @@ from specserve.engine.runner import model_file
 from specserve.engine.tasks import Event, Failure, Result, Task, TaskHandle
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
-from specserve.server.core import CoreJob, LocalCore, ModelFacts, load_model
+from specserve.server.core import CoreJob, Loader, LocalCore, ModelFacts, load_model
 from specserve.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,10 @@ class _Outbox:
             self._socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def main(settings: ServerSettings, requests_addr: str, events_addr: str, log_level: int) -> None:
-    """The core process's entry point (multiprocessing, spawn)."""
+def main(settings: ServerSettings, requests_addr: str, events_addr: str, log_level: int,
+         loader: Loader = load_model) -> None:
+    """The core process's entry point (multiprocessing, spawn); loader: what builds the runners (a benchmark's
+    stand-in runner, say)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -79,7 +81,7 @@ def main(settings: ServerSettings, requests_addr: str, events_addr: str, log_lev
     events.connect(events_addr)
     outbox = _Outbox(events)
     try:
-        runner, draft_runner, path = load_model(settings)
+        runner, draft_runner, path = loader(settings)
         tokenizer = Tokenizer.from_gguf(model_file(runner))
         core = LocalCore(settings, runner, draft_runner, tokenizer)
         grammars = GrammarCompiler(tokenizer)
