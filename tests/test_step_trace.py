@@ -39,3 +39,11 @@ def test_a_generation_leaves_one_record_per_step(smollm_runner, smollm_tokenizer
     summary = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), str(tmp_path / "trace.json")],
                              capture_output=True, text=True, check=True).stdout
     assert "prompt" in summary and "plain" in summary
+
+
+def test_a_process_that_ran_no_step_leaves_the_file_alone(tmp_path: Path) -> None:
+    """`specserve serve`'s front has the variable too and exits after the engine core wrote its steps."""
+    path = tmp_path / "trace.json"
+    path.write_text('{"steps": [{"rows": 1}]}')
+    step_trace.StepTrace(str(path)).dump()
+    assert json.loads(path.read_text())["steps"] == [{"rows": 1}]

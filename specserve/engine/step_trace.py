@@ -68,8 +68,12 @@ class StepTrace:
             self.steps[index][name] = time.perf_counter()
 
     def dump(self) -> None:
+        """Write the steps (none recorded, nothing written: `specserve serve`'s front process has the variable too,
+        and exits after the engine core wrote its steps)."""
         with self._lock:
             steps, events = list(self.steps), list(self._events)
+        if not steps:
+            return
         if any(e[1] is not None for e in events):
             torch.cuda.synchronize()
         for i, (step, (start, end)) in enumerate(zip(steps, events, strict=True)):
