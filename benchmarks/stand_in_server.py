@@ -123,8 +123,11 @@ def main() -> None:
         runner, _, _ = stand_in_runner(args, settings)
         engine = Engine.local(settings, path, runner, None, Tokenizer.from_gguf(runner.gguf))  # type: ignore[arg-type]
     app = create_app(settings, engine=engine)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, loop="asyncio",
-                http="httptools")
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, loop="asyncio",
+                    http="httptools")
+    finally:
+        engine.shutdown()  # (the app leaves an engine it was given running)
 
 
 if __name__ == "__main__":

@@ -289,23 +289,24 @@ class Scheduler:
 
     def _chainable(self, live: list[Entry]) -> bool:
         """Whether the next step can be queued before the step in flight (its live entries) is read: each slot
-        in it needs only argmax and carries no draft (a step's first token at a known position), and none ends
-        for sure."""
+        in it needs only argmax and carries no draft (a step's first token at a known position). A slot the step
+        ends for sure takes no row in the next step (`_ends`) and does not hold the others back."""
         if not live and not self._queue and not any(s.state in READING
                                                     for s in self.slots):
             return False
         if self.jobs.pending and self.jobs.ready():  # let it run at the next turn, with no step in flight
             return False
         for e in live:
-            slot, task = e.slot, e.slot.task
             if e.prompt and not e.final:
                 continue
-            if not slot.greedy_only or e.n_rows != 1 and not e.prompt and not self.drafting.chained:
-                return False
-            decoded = slot.n_decoded + 1  # after this step, at least
-            if 0 <= task.n_predict <= decoded or self._fed_position(e) >= self.n_ctx:
+            if not e.slot.greedy_only or e.n_rows != 1 and not e.prompt and not self.drafting.chained:
                 return False
         return True
+
+    def _ends(self, e: Entry) -> bool:
+        """Whether in-flight entry e's step gives its slot's last token for sure: its n_predict reached (at least
+        one token comes of every step), or no position left for a next row."""
+        return 0 <= e.slot.task.n_predict <= e.slot.n_decoded + 1 or self._fed_position(e) >= self.n_ctx
 
     def _plan(self, in_flight: list[Entry] | None) -> Plan:
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
@@ -314,8 +315,9 @@ class Scheduler:
         if step_trace.TRACE is not None:
             step_trace.TRACE.planning()
         room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
-        fed = [e for e in in_flight or () if not e.prompt or e.final]
-        chained = {e.slot.id for e in fed}
+        settling = [e for e in in_flight or () if not e.prompt or e.final]  # their next token is in flight
+        fed = [e for e in settling if not self._ends(e)]
+        chained = {e.slot.id for e in settling}
         decoding = [s for s in self.slots
                     if s.state is GENERATING and s.handle is not None and s.id not in chained]
         starved = self.memory.reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
