@@ -147,6 +147,7 @@ class KVMemory:
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
         reading = sorted(reading, key=lambda s: s.t_start)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
+        generating = sum(s.state is SlotState.GENERATING for s in self.slots)  # a block each, beside a new prompt
         for slot in reading:
             replay = slot.state == SlotState.RESUMING
             tokens = slot.replay if replay else slot.task.prompt
@@ -157,8 +158,7 @@ class KVMemory:
             if not room.plenty and not replay and start == slot.n_cached:
                 # A prompt starts only where all of it fits beside a block for each generating slot: one that
                 # could not finish would be preempted again and again (its chunks read in vain).
-                whole = (room.blocks.need(slot.id, start, len(tokens))
-                         + sum(s.state == SlotState.GENERATING for s in self.slots))
+                whole = room.blocks.need(slot.id, start, len(tokens)) + generating
                 self.evict_idle(room, whole)
                 waiting = waiting or room.free < whole
                 if waiting:
