@@ -290,7 +290,7 @@ class Scheduler:
     def _chainable(self, live: list[Entry]) -> bool:
         """Whether the next step can be queued before the step in flight (its live entries) is read: each slot
         in it needs only argmax and carries no draft (a step's first token at a known position). A slot the step
-        ends for sure takes no row in the next step (`_ends`) and does not hold the others back."""
+        ends for sure takes no row in the next step (`Entry.ends`) and does not hold the others back."""
         if not live and not self._queue and not any(s.state in READING
                                                     for s in self.slots):
             return False
@@ -303,11 +303,6 @@ class Scheduler:
                 return False
         return True
 
-    def _ends(self, e: Entry) -> bool:
-        """Whether in-flight entry e's step gives its slot's last token for sure: its n_predict reached (at least
-        one token comes of every step), or no position left for a next row."""
-        return 0 <= e.slot.task.n_predict <= e.slot.n_decoded + 1 or self._fed_position(e) >= self.n_ctx
-
     def _plan(self, in_flight: list[Entry] | None) -> Plan:
         """The next step. With a step in flight (chainable; its live entries), its slots continue from its
         argmax. Rows take free KV blocks as they are added (kv_room.py); with no step in flight, running slots
@@ -316,11 +311,11 @@ class Scheduler:
             step_trace.TRACE.planning()
         room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
         settling = [e for e in in_flight or () if not e.prompt or e.final]  # their next token is in flight
-        fed = [e for e in settling if not self._ends(e)]
+        fed = [e for e in settling if not e.ends(self.n_ctx)]
         chained = {e.slot.id for e in settling}
         decoding = [s for s in self.slots
                     if s.state is GENERATING and s.handle is not None and s.id not in chained]
-        starved = self.memory.reserve(room, [(e.slot, self._fed_position(e)) for e in fed]
+        starved = self.memory.reserve(room, [(e.slot, e.fed_position) for e in fed]
                                 + [(s, len(s.cache)) for s in decoding])
         while starved:
             if in_flight is not None:
@@ -352,11 +347,6 @@ class Scheduler:
             return self._plan(None)  # every reading slot waits for room that only a running one can give
         return plan
 
-    @staticmethod
-    def _fed_position(e: Entry) -> int:
-        """Where the row fed from in-flight entry e goes (after a draft: where it goes if all of it is accepted)."""
-        return len(e.slot.task.prompt) if e.prompt else e.position + e.n_rows
-
     def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
         """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
         the pool's room (the first row's blocks are taken already)."""
@@ -369,7 +359,7 @@ class Scheduler:
         """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it (the draft
         continues slot.last; None: drafting failed the slot's task)."""
         slot = e.slot
-        position = self._fed_position(e)
+        position = e.fed_position
         if e.prompt or e.n_rows > 1:  # the first generated token comes from the prompt's last logit row
             plan.add_decode(slot, position, 0, [], fed_row=e.last_logit_row)
         elif draft is not None:

@@ -36,6 +36,16 @@ class Entry:
         return int(self.final) if self.prompt else self.n_rows
 
     @property
+    def fed_position(self) -> int:
+        """Where a row fed from this in-flight entry goes (after a draft: where it goes if all of it is accepted)."""
+        return len(self.slot.task.prompt) if self.prompt else self.position + self.n_rows
+
+    def ends(self, n_ctx: int) -> bool:
+        """Whether this in-flight entry's step gives its slot's last token for sure: its n_predict reached (at least
+        one token comes of every step), or no position left for a next row."""
+        return 0 <= self.slot.task.n_predict <= self.slot.n_decoded + 1 or self.fed_position >= n_ctx
+
+    @property
     def last_logit_row(self) -> int:
         """The batch row a following step may take its fed token from."""
         return self.first_row + self.n_rows - 1
