@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from specserve.server.tool_scanners import Trimmed, partial_tail
+from specserve.server.held_text import Trimmed, partial_tail
 
 FORMATS = ("none", "deepseek", "auto")
 PAIRS = (("<think>", "</think>"), ("<|begin_of_thought|>", "<|end_of_thought|>"), ("<thinking>", "</thinking>"))
@@ -92,7 +92,7 @@ class ReasoningStream:
     def finish(self) -> list[Part]:
         """The output ended: what is held is decided now (an unclosed block's reasoning ends here)."""
         parts = self._drain(final=True)
-        self._reasoning_text.held = ""
+        self._reasoning_text.boundary()
         return parts
 
     def _drain(self, final: bool) -> list[Part]:
@@ -140,7 +140,7 @@ class ReasoningStream:
         if end >= 0:
             parts = self._think(self._buf[:end])
             self._buf = self._buf[end + len(closer):]
-            self._reasoning_text.held = ""
+            self._reasoning_text.boundary()
             self._state = "after"
             return parts
         cut = len(self._buf) - (0 if final else partial_tail(self._buf, self._closers))

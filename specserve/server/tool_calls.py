@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.server.held_text import Trimmed
 from specserve.server.tool_scanners import (
     FORMATS,
     HERMES_CLOSE,
@@ -37,7 +38,6 @@ from specserve.server.tool_scanners import (
     SCANNERS,
     Piece,
     TextPiece,
-    Trimmed,
     check_format,
 )
 
@@ -141,7 +141,7 @@ class ToolCallStream:
         events = self._drain(final=True)
         if self._text.held:
             events.append(ContentDelta(self._text.held))
-            self._text.held = ""
+            self._text.boundary()
         self._finished = True
         return events
 
@@ -161,8 +161,7 @@ class ToolCallStream:
     def _emit(self, piece: Piece) -> list[Event]:
         if isinstance(piece, TextPiece):
             return self._content(piece.text)
-        self._text.held = ""
-        self._text.lead = True
+        self._text.boundary()
         index = self._calls
         self._calls += 1
         return [CallStart(index, new_call_id(self._fmt), piece.name), ArgumentsDelta(index, piece.arguments)]

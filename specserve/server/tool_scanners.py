@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
 from typing import Any, NamedTuple
+
+from specserve.server.held_text import partial_tail
 
 FORMATS = ("hermes", "llama3", "mistral", "generic")
 
@@ -44,40 +45,6 @@ def _skip_space(buf: str, pos: int) -> int:
     while pos < len(buf) and buf[pos].isspace():
         pos += 1
     return pos
-
-
-def partial_tail(buf: str, markers: Iterable[str]) -> int:
-    """Length of the longest end of `buf` that is a proper beginning of a marker (held back while streaming; the
-    reasoning splitter holds its tags back with it too)."""
-    best = 0
-    for marker in markers:
-        for size in range(min(len(buf), len(marker) - 1), best, -1):
-            if buf.endswith(marker[:size]):
-                best = size
-                break
-    return best
-
-
-class Trimmed:
-    """Streamed text with the whitespace at its edges dropped: leading whitespace while `lead` (set again after a
-    boundary, e.g. a call), and trailing whitespace held back until text follows it (`held`), since a boundary may
-    come next. The tool-call stream trims content with it, the reasoning splitter its reasoning."""
-
-    def __init__(self, lead: bool):
-        self.lead = lead
-        self.held = ""
-
-    def add(self, text: str) -> str:
-        """What of `text` can go out now."""
-        if self.lead:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self.lead = False
-        text = self.held + text
-        body = text.rstrip()
-        self.held = text[len(body):]
-        return body
 
 
 def _content(buf: str, markers: tuple[str, ...], final: bool) -> _Step | None:
