@@ -144,7 +144,7 @@ def test_blocks_of_a_reasoned_call() -> None:
     assert content[2]["type"] == "tool_use" and content[2]["input"] == {"city": "Paris"}
     assert body["stop_reason"] == "tool_use" and body["id"].startswith("msg_")
     assert fmt.error(400, "bad") == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
-    event = fmt.sse(fmt.stream_error(503, "full"))
+    event = fmt.sse(fmt.stream_error(503, "full")).decode()
     assert event.startswith("event: error\ndata: ") and event.endswith("\n\n")
     assert json.loads(event.removeprefix("event: error\ndata: ")) == {
         "type": "error", "error": {"type": "overloaded_error", "message": "full"}}

@@ -200,7 +200,7 @@ def test_items_of_a_reasoned_call() -> None:
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     failed = _format(HERMES)
     failed.start()
-    event = failed.sse(failed.stream_error(500, "boom"))
+    event = failed.sse(failed.stream_error(500, "boom")).decode()
     assert event.startswith("event: error\ndata: ") and json.loads(event.split("data: ", 1)[1]) == {
         "type": "error", "sequence_number": 2, "code": "server_error", "message": "boom", "param": None}
     assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 9,

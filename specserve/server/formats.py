@@ -85,10 +85,10 @@ class Format:
     def body(self, chunks: list[Chunk], result: Result) -> dict[str, Any]:
         raise NotImplementedError
 
-    def sse(self, obj: dict[str, Any]) -> str:
-        """One server-sent event."""
-        data = f"data: {_json(obj).decode()}\n\n"
-        return f"event: {obj['type']}\n{data}" if self.named_events else data
+    def sse(self, obj: dict[str, Any]) -> bytes:
+        """One server-sent event, as the bytes the response sends."""
+        data = b"data: " + _json(obj) + b"\n\n"
+        return b"event: " + obj["type"].encode() + b"\n" + data if self.named_events else data
 
     def error(self, status: int, message: str) -> dict[str, Any]:
         """An error's body in this API's shape."""

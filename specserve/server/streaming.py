@@ -150,7 +150,7 @@ async def _collect(request: Request, queue: asyncio.Queue[Any], ticket: Ticket,
         watcher.cancel()
 
 
-async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> AsyncIterator[str]:
+async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> AsyncIterator[bytes]:
     formats = job.formats
     for fmt in formats:
         for obj in fmt.start():
@@ -161,7 +161,7 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
         items = [await queue.get()]
         while not queue.empty():  # what else arrived meanwhile goes out in the same send (a loop that lags
             items.append(queue.get_nowait())  # behind the steps catches up in fewer, larger writes)
-        out: list[str] = []
+        out: list[bytes] = []
         for item in items:
             i, event = item if isinstance(item, tuple) else (-1, item)
             if isinstance(event, Chunk):
@@ -180,20 +180,20 @@ async def _events(request: Request, queue: asyncio.Queue[Any], job: Job) -> Asyn
                 failed = True
                 break
         if out:
-            yield "".join(out)
+            yield b"".join(out)
     if not failed:
         ordered = [results[i] for i in range(len(formats))]
         _note(request, ordered)
         for obj in formats[0].tail(ordered, formats):
             yield formats[0].sse(obj)
     if formats[0].done_marker:
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 class TicketStream(StreamingResponse):
     """An SSE response that gives its ticket back however it ends (even if it never started streaming)."""
 
-    def __init__(self, content: AsyncIterator[str], ticket: Ticket):
+    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.ticket = ticket
