@@ -7,6 +7,8 @@ for fp32 tensors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,3 +112,12 @@ def test_a_row_is_the_same_in_any_batch() -> None:
         one, one_sum = cpu_ops.add_rms_norm(x[t : t + 1], res[t : t + 1], w, 1e-5)
         assert torch.equal(one[0], out[t]) and torch.equal(one_sum[0], summed[t])
         assert torch.equal(cpu_ops.silu_mul(gate_up[t : t + 1])[0], act[t])
+
+
+@pytest.mark.parametrize("target", [name for name, _, _ in build.BUILDS])
+def test_every_target_builds(target: str, tmp_path: Path) -> None:
+    """Each instruction set's build compiles here, whichever one this CPU runs: an edit to the AVX-512 paths fails
+    on an AVX2 machine too, not first on the machines that run them."""
+    flags = next(flags for name, _, flags in build.BUILDS if name == target)
+    assert build.compile_into(tmp_path / "lib.so", build.SOURCES, [*build.COMMON_FLAGS, *flags]) is None
+    assert (tmp_path / "lib.so").stat().st_size > 0

@@ -56,27 +56,43 @@ def builds() -> list[tuple[str, list[str]]]:
             if all(f in cpu_flags() for f in needs)]
 
 
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _texts(sources: tuple[str, ...]) -> dict[str, bytes]:
+    package = resources.files("specserve.kernels.cpu")
+    return {file: package.joinpath(file).read_bytes() for file in (*sources, *HEADERS)}
+
+
+def compile_into(out: Path, sources: tuple[str, ...], flags: list[str]) -> str | None:
+    """Build the library at `out` (any machine's compiler builds every target's flags, whatever this CPU runs);
+    None, or the compiler's complaint."""
+    cc = compiler()
+    if cc is None:
+        return "no C compiler"
+    with tempfile.TemporaryDirectory() as tmp:
+        for file, text in _texts(sources).items():
+            (Path(tmp) / file).write_bytes(text)
+        cmd = [cc, *flags, *(str(Path(tmp) / f) for f in sources), "-o", str(out), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    return None if result.returncode == 0 else result.stderr.strip()[:2000]
+
+
 def _compile(sources: tuple[str, ...], flags: list[str]) -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
+    if compiler() is None:
         log.warning("no C compiler: the CPU kernels are not built (torch serves instead)")
         return None
-    package = resources.files("specserve.kernels.cpu")
-    texts = {file: package.joinpath(file).read_bytes() for file in (*sources, *HEADERS)}
-    key = hashlib.sha256(b"\0".join([*texts.values(), " ".join(flags).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*_texts(sources).values(), " ".join(flags).encode()])).hexdigest()[:16]
     target = catalog.cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     with _lock:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory() as tmp:
-                for file, text in texts.items():
-                    (Path(tmp) / file).write_bytes(text)
                 out = Path(tmp) / "cpu_kernels.so"
-                cmd = [compiler, *flags, *(str(Path(tmp) / f) for f in sources), "-o", str(out), "-lm"]
-                result = subprocess.run(cmd, capture_output=True, text=True)
-                if result.returncode != 0:
-                    log.warning("building the CPU kernels (%s) failed: %s", ", ".join(sources),
-                                result.stderr.strip()[:2000])
+                failure = compile_into(out, sources, flags)
+                if failure is not None:
+                    log.warning("building the CPU kernels (%s) failed: %s", ", ".join(sources), failure)
                     return None
                 os.replace(out, target)  # atomic: a concurrent process sees a whole file or none
     return ctypes.CDLL(str(target))
