@@ -102,20 +102,28 @@ class RawStream:
         head = (await self._reader.readuntil(b"\r\n\r\n")).decode("latin-1")
         status = int(head.split(" ", 2)[1])
         fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head.split("\r\n")[1:])}
-        if "chunked" not in fields.get("transfer-encoding", ""):
-            data = await self._reader.readexactly(int(fields.get("content-length", "0")))
+        chunked = "chunked" in fields.get("transfer-encoding", "")
+        if status != 200 or not chunked:
+            data = (b"".join([c async for c in self._chunks()]) if chunked
+                    else await self._reader.readexactly(int(fields.get("content-length", "0"))))
             raise RuntimeError(f"HTTP {status}: {data.decode(errors='replace')[:300]}")
         pending = b""
+        async for chunk in self._chunks():
+            pending += chunk
+            *complete, pending = pending.split(b"\n\n")
+            for event in complete:
+                if event.startswith(b"data: "):
+                    yield event[6:]
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """A chunked body's chunks, to its end."""
+        assert self._reader is not None
         while True:
             size = int((await self._reader.readuntil(b"\r\n")).split(b";")[0], 16)
             chunk = await self._reader.readexactly(size + 2)  # the data and its CRLF
             if size == 0:
                 return
-            pending += chunk[:-2]
-            *complete, pending = pending.split(b"\n\n")
-            for event in complete:
-                if event.startswith(b"data: "):
-                    yield event[6:]
+            yield chunk[:-2]
 
 
 async def one_request(stream: RawStream, prompt: str, n_predict: int, mode: str,
