@@ -1,7 +1,7 @@
 """The CPU decode-step ops in C (kernels/cpu_ops.py) against their torch references on fresh random inputs:
 RMSNorm with and without the residual add, RoPE with the KV-cache write (both layouts, partial rotation, views of
 one [q | k | v] product), attention of mixed rows of two sequences over paged caches (blocks scattered over the
-pool; checked against the dense layout too; grouped heads, a head size with a partial vector), SwiGLU; that a
+pool; checked against the dense layout too; grouped heads, a head size with a partial vector), SwiGLU, argmax; that a
 row's result does not depend on its batch; and that a CPU runner's kernels (kernels/cpu_kernels.py) run them
 for fp32 tensors."""
 
@@ -77,6 +77,22 @@ def test_attention(dim: int, n_heads: int, n_kv: int) -> None:
 def test_silu_mul(rows: int, n: int) -> None:
     gate_up = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n)) * 6  # reach both tails
     assert _rel(cpu_ops.silu_mul(gate_up), activation.silu_mul_ref(gate_up)) < 1e-6
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 49152), (4, 151936), (3, 37), (2, 5)])
+def test_argmax(rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=gen)
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    # ties go to the first index; a NaN wins wherever it is; a row of -inf gives 0; as torch's argmax
+    x[0, n // 3] = x[0, n - 1] = x[0].max() + 1
+    if rows > 1:
+        x[1, n - 1] = float("nan")
+        x[1, 0] = float("inf")
+    if rows > 2:
+        x[2] = float("-inf")
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels_for("cpu").argmax(x[:, : n // 2 + 1]), x[:, : n // 2 + 1].argmax(dim=-1))  # a view
 
 
 def test_cpu_kernels_take_fp32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:

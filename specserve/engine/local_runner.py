@@ -247,7 +247,7 @@ class LocalRunner:
                 tokens = feed_tokens(tokens, on_device(fed), self._ring[1 - parity])
             logits = self.model.forward(tokens, on_device(batch.positions), on_device(batch.seq_ids), rows, runs,
                                         self.kv.step(on_device(slots)))
-            argmax = logits.argmax(dim=-1)
+            argmax = self.kernels.argmax(logits)
             self._ring[parity].index_copy_(0, rows, argmax)
         return LaunchedStep(logits, argmax, len(wanted))
 

@@ -35,6 +35,11 @@ class CpuKernels(TorchKernels):
             return cpu_ops.silu_mul(gate_up)
         return super().silu_mul(gate_up)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 2 and cpu_ops.takes(logits):
+            return cpu_ops.argmax(logits)
+        return super().argmax(logits)
+
     def rope_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor,
                    sin_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, style: str) -> torch.Tensor:

@@ -131,6 +131,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a 2-D x (int64 [rows])."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _lib().cpu_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of [gate | up] along the last dimension."""
     gate_up = gate_up.contiguous()

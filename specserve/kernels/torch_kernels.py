@@ -54,6 +54,10 @@ class TorchKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_ref(gate_up)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest logit (the first where several tie)."""
+        return logits.argmax(dim=-1)
+
     def rope_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_table: torch.Tensor,
                        sin_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, style: str, head_norms: HeadNorms | None = None) -> torch.Tensor:
