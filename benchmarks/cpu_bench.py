@@ -100,7 +100,7 @@ def main() -> None:
         runners[name] = LocalRunner(path, device="cpu", n_ctx=args.n_prompt + args.n_gen + 64,
                                     weight_format=name.removesuffix("-exact"), progress=False)
     tok = Tokenizer.from_gguf(next(iter(runners.values())).gguf)
-    rates: dict[str, list[tuple[float, float]]] = {name: [] for name in [*runners, "llama.cpp"]}
+    rates: dict[str, list[tuple[float | None, float | None]]] = {name: [] for name in [*runners, "llama.cpp"]}
     via = None
     for _ in range(args.rounds):  # interleaved: a busy spell of the machine falls on both sides
         for name, runner in runners.items():
@@ -116,10 +116,10 @@ def main() -> None:
                                      reps=args.reps, threads=args.threads), "via": "llama-bench"}
             except RuntimeError as exc:
                 print(exc)
-                ref = None
+                ref = {"pp": None, "tg": None, "via": "llama-bench"}  # (the round stays paired with ours)
         else:
             ref = llama_cpp(path, args.threads, args.n_prompt, args.n_gen, args.reps)
-        if ref is not None:
+        if ref is not None:  # (None in every round: no llama.cpp here)
             via = ref["via"]
             rates["llama.cpp"].append((ref["pp"], ref["tg"]))
     rows = []
@@ -130,13 +130,13 @@ def main() -> None:
             "-exact" if name.endswith("-exact") else "")
         if name == "llama.cpp" and via != "llama-bench":
             label += " (python eval)"
-        row: dict[str, object] = {"engine": label, f"pp{args.n_prompt}": round(statistics.median(r[0] for r in got), 1),
-                                  f"tg{args.n_gen}": round(statistics.median(r[1] for r in got), 1)}
-        if name != "llama.cpp" and rates["llama.cpp"]:  # the median of each round's ratio
+        row: dict[str, object] = {"engine": label, f"pp{args.n_prompt}": _median([r[0] for r in got], 1),
+                                  f"tg{args.n_gen}": _median([r[1] for r in got], 1)}
+        if name != "llama.cpp" and rates["llama.cpp"]:  # the median of the rounds' ratios (where llama.cpp gave one)
             pairs = list(zip(got, rates["llama.cpp"], strict=True))
-            row["pp_vs_llamacpp"] = round(statistics.median(a[0] / b[0] for a, b in pairs), 2)
-            row["tg_vs_llamacpp"] = round(statistics.median(a[1] / b[1] for a, b in pairs), 2)
-            row["tg_ratio_by_round"] = [round(a[1] / b[1], 2) for a, b in pairs]
+            row["pp_vs_llamacpp"] = _median([a[0] / b[0] if b[0] else None for a, b in pairs], 2)
+            row["tg_vs_llamacpp"] = _median([a[1] / b[1] if b[1] else None for a, b in pairs], 2)
+            row["tg_ratio_by_round"] = [round(a[1] / b[1], 2) if b[1] else None for a, b in pairs]
         rows.append(row)
     print_table(rows, ["engine", f"pp{args.n_prompt}", f"tg{args.n_gen}", "pp_vs_llamacpp", "tg_vs_llamacpp"])
     if args.rounds > 1:
@@ -145,6 +145,12 @@ def main() -> None:
                 print(f"{row['engine']}: tg vs llama.cpp by round {row['tg_ratio_by_round']}")
     write_json(output_path(args.output, f"cpu_{args.model}.json"),
                {"model": args.model, "threads": args.threads, "rounds": args.rounds, "rows": rows})
+
+
+def _median(values: list[float | None], digits: int) -> float | None:
+    """The median of the values that are there (None: a run that failed), rounded; None if none is."""
+    kept = [v for v in values if v is not None]
+    return round(statistics.median(kept), digits) if kept else None
 
 
 if __name__ == "__main__":

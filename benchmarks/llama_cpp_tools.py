@@ -8,6 +8,7 @@ the binaries) and, where torch came with them, the CUDA libraries of the nvidia-
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -28,14 +29,26 @@ def llama_env(bin_dir: Path) -> dict[str, str]:
 
 
 def llama_bench(binary: Path, model: Path, *, n_prompt: int = 512, n_gen: int = 128, reps: int = 3,
-                threads: int | None = None, gpu_layers: int | None = None) -> dict[str, float]:
-    """llama-bench's mean prompt ("pp") and generation ("tg") tok/s on `model`; RuntimeError if it fails."""
-    cmd = [str(binary), "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-o", "json"]
-    cmd += ["-t", str(threads)] if threads is not None else []
-    cmd += ["-ngl", str(gpu_layers)] if gpu_layers is not None else []
-    out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(binary.parent), check=False,
-                         timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
-    rate = {("tg" if r["n_gen"] else "pp"): float(r["avg_ts"]) for r in json.loads(out.stdout)}
-    return {"pp": rate["pp"], "tg": rate["tg"]}
+                threads: int | None = None, gpu_layers: int | None = None) -> dict[str, float | None]:
+    """llama-bench's mean prompt ("pp") and generation ("tg") tok/s on `model`, each from a run of its own, so that
+    one that fails leaves the other (a native build's prefill dies of SIGILL on a VM whose CPU reports AMX): None
+    for a failed one, after printing why; RuntimeError if both fail."""
+    rates: dict[str, float | None] = {}
+    errors = []
+    for test, (p, n) in (("pp", (n_prompt, 0)), ("tg", (0, n_gen))):
+        cmd = [str(binary), "-m", str(model), "-p", str(p), "-n", str(n), "-r", str(reps), "-o", "json"]
+        cmd += ["-t", str(threads)] if threads is not None else []
+        cmd += ["-ngl", str(gpu_layers)] if gpu_layers is not None else []
+        out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(binary.parent), check=False,
+                             timeout=1800)
+        if out.returncode == 0:
+            rates[test] = float(json.loads(out.stdout)[0]["avg_ts"])
+            continue
+        rates[test] = None
+        why = (f"killed by {signal.Signals(-out.returncode).name}" if out.returncode < 0
+               else f"exit {out.returncode}: {out.stderr[-2000:]}")
+        errors.append(f"llama-bench's {test} run failed ({why})")
+        print(errors[-1])
+    if not any(rates.values()):
+        raise RuntimeError("; ".join(errors))
+    return rates

@@ -112,7 +112,8 @@ def main() -> None:
             rates = llama_bench(bin_dir / "llama-bench", path, gpu_layers=99)
         except RuntimeError as exc:
             raise SystemExit(str(exc)) from None
-        llama = {"tg128": round(rates["tg"], 1), "pp512": round(rates["pp"], 1)}
+        tg, pp = rates["tg"], rates["pp"]
+        llama = {"tg128": None if tg is None else round(tg, 1), "pp512": None if pp is None else round(pp, 1)}
         runner = LocalRunner(path, n_seqs=16, n_ctx=args.n_predict + 64, device=device, weight_format="gguf",
                              progress=False)
         ours = decode_table(runner, [1, 16], args.n_predict)
