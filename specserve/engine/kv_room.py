@@ -17,6 +17,7 @@ given up under pressure, least recently used first, beside idle slots' caches.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -33,6 +34,22 @@ from specserve.model.kv_ledger import KVCacheFull
 log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
+# Context positions over which a prompt row's cost doubles (attention reads them all): on the H100 a 512-row prompt
+# step took 11 us a row near position 0 and 26.6 at ~3k (docs/perf.md, the long-prompt mix).
+ROW_COST_CONTEXT = 2048
+MIN_CHUNK = 16  # prompt rows a reading slot gets in a step with decode rows, whatever they cost
+
+
+def prompt_cost(start: int, n: int) -> float:
+    """A chunk of n prompt rows from position `start`, in rows near position 0."""
+    return n * (1 + (start + n / 2) / ROW_COST_CONTEXT)
+
+
+def prompt_rows_within(cost: float, start: int) -> int:
+    """The most prompt rows from position `start` whose prompt_cost is at most `cost` (a root of its quadratic)."""
+    a = 1 + start / ROW_COST_CONTEXT
+    n = int(ROW_COST_CONTEXT * (math.sqrt(a * a + 2 * cost / ROW_COST_CONTEXT) - a))
+    return n - 1 if n > 0 and prompt_cost(start, n) > cost else n
 
 
 def most_blocks(n_batch: int, n_slots: int, block_size: int) -> int:
@@ -143,8 +160,11 @@ class KVMemory:
 
     def plan_reading(self, plan: Plan, reading: list[Slot], room: KVRoom) -> None:
         """Prompt chunks (and preempted slots' tokens read again) of the reading slots share what is left of
-        n_batch, but always get a share so they never starve; oldest task first, each as far as the pool allows."""
-        budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
+        n_batch, but always get a share so they never starve; oldest task first, each as far as the pool allows.
+        Where the step carries decode rows, its prompt rows are counted by their cost (prompt_cost), so that a
+        chunk deep into a long prompt does not make every generating slot wait a long step for its token."""
+        budget: float = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
+        by_cost = len(plan.batch) > 0
         reading = sorted(reading, key=lambda s: s.t_start)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         generating = sum(s.state is SlotState.GENERATING for s in self.slots)  # a block each, beside a new prompt
@@ -154,7 +174,9 @@ class KVMemory:
             start = slot.n_planned
             if budget <= 0 or start >= len(tokens):
                 continue
-            want = min(budget, len(tokens) - start)
+            # (by cost: still a block's rows a step, however deep into a long prompt)
+            want = min(max(prompt_rows_within(budget, start), min(MIN_CHUNK, int(budget))) if by_cost else int(budget),
+                       len(tokens) - start)
             if not room.plenty and not replay and start == slot.n_cached:
                 # A prompt starts only where all of it fits beside a block for each generating slot: one that
                 # could not finish would be preempted again and again (its chunks read in vain).
@@ -168,7 +190,7 @@ class KVMemory:
                 continue
             plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
             slot.n_planned += n
-            budget -= n
+            budget -= prompt_cost(start, n) if by_cost else n
 
     def reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""
