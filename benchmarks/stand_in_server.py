@@ -5,7 +5,8 @@
         --category code_edit
 
 The runner's steps take modelled device time (--step-ms + --row-ms a row, after the previous step, as a
-GPU queue would: the H200's 1.5B Q4_K_M numbers by default), and its "model" continues each sequence's own
+GPU queue would: the H200's 1.5B Q4_K_M numbers by default; --context-us adds a row's attention, per 1,000
+positions before it, for mixes of long prompts), and its "model" continues each sequence's own
 prompt, except at about one position in eight (--miss), where it writes a newline: ngram-suffix's drafts are
 then accepted about as often as on the code edits (44% here, 53% on the H200 with the real model).
 --host-us of Python and --release-us of GIL-free time per launch stand for the real runner's host work and
@@ -50,6 +51,7 @@ class PromptEchoRunner(FakeRunner):
         self.dtype, self.weight_format, self.max_step_rows = torch.float32, "float", None
         self.host_s, self.release_s, self.miss, self.newline = (args.host_us / 1e6, args.release_us / 1e6,
                                                                 args.miss, args.newline)
+        self.context_s = args.context_us / 1e6
         self.history = [[0] * n_ctx for _ in range(n_seqs)]
         self.prompt_len = [0] * n_seqs
         self._previous: dict[int, int] = {}  # row -> argmax of the step launched last (fed rows read it)
@@ -79,7 +81,8 @@ class PromptEchoRunner(FakeRunner):
                 by_row[i] = self._next(seq, pos)
                 tokens.append(by_row[i])
         self._previous = by_row
-        self._free_at = max(time.perf_counter(), self._free_at) + self.step_s + self.row_s * len(batch)
+        attention = self.context_s * sum(batch.positions) / 1000 if self.context_s else 0.0
+        self._free_at = max(time.perf_counter(), self._free_at) + self.step_s + self.row_s * len(batch) + attention
         return TimedStep(tokens, self._free_at, self.vocab_size)
 
     def kv_copy(self, src: int, dst: int) -> None:
@@ -102,6 +105,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048, help="positions per slot")
     ap.add_argument("--step-ms", type=float, default=1.07, help="device time of a step")
     ap.add_argument("--row-ms", type=float, default=0.0137, help="device time per row of a step")
+    ap.add_argument("--context-us", type=float, default=0.0,
+                    help="device time per row per 1,000 positions it attends (5.2 fits the H100's long-prompt steps)")
     ap.add_argument("--host-us", type=float, default=0.0, help="Python time per launch, holding the GIL")
     ap.add_argument("--release-us", type=float, default=0.0, help="GIL-free time per launch")
     ap.add_argument("--miss", type=float, default=0.12, help="share of positions where the model leaves the prompt")

@@ -38,6 +38,9 @@ MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own 
 # step took 11 us a row near position 0 and 26.6 at ~3k (docs/perf.md, the long-prompt mix).
 ROW_COST_CONTEXT = 2048
 MIN_CHUNK = 16  # prompt rows a reading slot gets in a step with decode rows, whatever they cost
+# What such a step's prompt rows may cost, in n_batch rows near position 0: on the H100 a 256-row chunk at ~3k
+# positions (1.26 n_batch) kept the long-prompt mix's ITL p99 at 14.4 ms; 1.5 trades a little of that for TTFT
+MIXED_STEP_COST = 1.5
 
 
 def prompt_cost(start: int, n: int) -> float:
@@ -161,10 +164,12 @@ class KVMemory:
     def plan_reading(self, plan: Plan, reading: list[Slot], room: KVRoom) -> None:
         """Prompt chunks (and preempted slots' tokens read again) of the reading slots share what is left of
         n_batch, but always get a share so they never starve; oldest task first, each as far as the pool allows.
-        Where the step carries decode rows, its prompt rows are counted by their cost (prompt_cost), so that a
-        chunk deep into a long prompt does not make every generating slot wait a long step for its token."""
-        budget: float = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
+        Where the step carries decode rows, its prompt rows also count by their cost (prompt_cost, at most
+        MIXED_STEP_COST n_batch), so that a chunk deep into a long prompt does not make every generating slot wait a
+        long step for its token."""
+        budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
         by_cost = len(plan.batch) > 0
+        cost = max(MIXED_STEP_COST * self.n_batch - len(plan.batch), self.n_batch / 4, 1)  # (by_cost only)
         reading = sorted(reading, key=lambda s: s.t_start)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         generating = sum(s.state is SlotState.GENERATING for s in self.slots)  # a block each, beside a new prompt
@@ -172,11 +177,11 @@ class KVMemory:
             replay = slot.state == SlotState.RESUMING
             tokens = slot.replay if replay else slot.task.prompt
             start = slot.n_planned
-            if budget <= 0 or start >= len(tokens):
+            if budget <= 0 or by_cost and cost <= 0 or start >= len(tokens):
                 continue
             # (by cost: still a block's rows a step, however deep into a long prompt)
-            want = min(max(prompt_rows_within(budget, start), min(MIN_CHUNK, int(budget))) if by_cost else int(budget),
-                       len(tokens) - start)
+            affordable = max(prompt_rows_within(cost, start), MIN_CHUNK) if by_cost else budget
+            want = min(budget, affordable, len(tokens) - start)
             if not room.plenty and not replay and start == slot.n_cached:
                 # A prompt starts only where all of it fits beside a block for each generating slot: one that
                 # could not finish would be preempted again and again (its chunks read in vain).
@@ -190,7 +195,8 @@ class KVMemory:
                 continue
             plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
             slot.n_planned += n
-            budget -= prompt_cost(start, n) if by_cost else n
+            budget -= n
+            cost -= prompt_cost(start, n)
 
     def reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""
