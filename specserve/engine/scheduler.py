@@ -10,9 +10,10 @@ the device (`Runner.launch(fed=...)`), and a speculator's draft for the token in
 nothing else). So the host's work on step N (verifying, detokenizing, streaming) overlaps step N + 1 on
 the device. Otherwise step N is settled first and step N + 1 planned from the host's tokens.
 
-`run_once()` is one turn of the loop; the server runs it in the scheduler's thread (`start()`),
-`generate()` in its caller's. Requests come in through `submit()` from any thread; results go out through
-the `emit` callback given with each request. Slot i uses KV sequence i of the runner.
+`run_once()` is one turn of the loop (its steps planned by step_planner.py); the server runs it in the
+scheduler's thread (`start()`), `generate()` in its caller's. Requests come in through `submit()` from any
+thread; results go out through the `emit` callback given with each request. Slot i uses KV sequence i of the
+runner.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from specserve.engine import step_trace
 from specserve.engine.draft_gate import DraftGate
-from specserve.engine.kv_room import KVMemory, KVRoom, most_blocks
+from specserve.engine.kv_room import KVMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
@@ -35,6 +36,7 @@ from specserve.engine.slot_jobs import JobQueue, JobWork
 from specserve.engine.slot_results import Settler
 from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
+from specserve.engine.step_planner import GENERATING, READING, StepPlanner
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
@@ -42,10 +44,6 @@ from specserve.gguf.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# The states the per-turn scans over every slot ask for, as locals of the module (a class attribute lookup and an
-# enum comparison per slot cost ~3x an identity test)
-GENERATING = SlotState.GENERATING
-READING = (SlotState.PROMPT, SlotState.RESUMING)
 
 
 class Scheduler:
@@ -86,7 +84,8 @@ class Scheduler:
         self.drafting = DraftPolicy(runner, self.n_ctx, chain_factory, DraftGate() if overlap and adaptive_drafts
                                     else None, chain_drafts, self.settler.fail)
         self.settler.drafting = self.drafting
-        self._most_blocks = most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size)
+        self.planner = StepPlanner(runner, self.slots, self.memory, self.drafting,
+                                   most_blocks(n_batch, n_slots, runner.ledger.blocks.block_size))
         self._thread = threading.Thread(target=self._loop, name="specserve-scheduler", daemon=True)
         # Called on the loop's thread after each turn and after the drain (the engine core's process sends the
         # turn's events then, as one message)
@@ -192,12 +191,12 @@ class Scheduler:
                 else:
                     self.counters.turns_plain += 1
         if self._in_flight is None:
-            self._in_flight = self._launch(self._plan(None))
+            self._in_flight = self._launch(self.planner.plan(None))
             if self._in_flight is None:
                 return
         current = self._in_flight
         live = current.live()
-        self._in_flight = self._launch(self._plan(live)) if self.overlap and self._chainable(live) else None
+        self._in_flight = self._launch(self.planner.plan(live)) if self.overlap and self._chainable(live) else None
         # While the device works: the speculators' bookkeeping. Skipped while no slot may draft (it catches up at
         # the next draft), since with many slots the host is what limits a step.
         for entry in live if self.drafting.allowed else ():
@@ -213,7 +212,7 @@ class Scheduler:
         try:
             self.settler.settle(current, live)
             if self._in_flight is None and self.overlap and not (self.jobs.pending and self.jobs.ready()):
-                self._in_flight = self._launch(self._plan(None))
+                self._in_flight = self._launch(self.planner.plan(None))
         finally:
             outbox, self.settler.outbox = self.settler.outbox, None
             for handle, event in outbox:
@@ -302,70 +301,6 @@ class Scheduler:
             if not e.slot.greedy_only or e.n_rows != 1 and not e.prompt and not self.drafting.chained:
                 return False
         return True
-
-    def _plan(self, in_flight: list[Entry] | None) -> Plan:
-        """The next step. With a step in flight (chainable; its live entries), its slots continue from its
-        argmax. Rows take free KV blocks as they are added (kv_room.py); with no step in flight, running slots
-        are preempted where a generating slot or, with none generating, every reading one finds no room."""
-        if step_trace.TRACE is not None:
-            step_trace.TRACE.planning()
-        room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
-        settling = [e for e in in_flight or () if not e.prompt or e.final]  # their next token is in flight
-        fed = [e for e in settling if not e.ends(self.n_ctx)]
-        chained = {e.slot.id for e in settling}
-        decoding = [s for s in self.slots
-                    if s.state is GENERATING and s.handle is not None and s.id not in chained]
-        starved = self.memory.reserve(room, [(e.slot, e.fed_position) for e in fed]
-                                + [(s, len(s.cache)) for s in decoding])
-        while starved:
-            if in_flight is not None:
-                return Plan()  # settle the step in flight first; then this may preempt
-            victim = self.memory.preempt_youngest()
-            if victim is None:  # (no running slot holds KV, so none should starve): they wait
-                decoding = [s for s in decoding if s not in starved]
-                break
-            decoding = [s for s in decoding if s is not victim]
-            room = KVRoom(self.runner.ledger.blocks, self._most_blocks)
-            starved = self.memory.reserve(room, [(s, len(s.cache)) for s in decoding])
-        plan = Plan()
-        # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
-        # A slot whose step in flight carries a draft drafts again only once that draft is verified.
-        drafts: dict[int, list[int] | None] = {}
-        if self.drafting.allowed:
-            drafts = self.drafting.drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed
-                                   if not e.prompt and e.n_rows == 1] + [(s, s.n_decoded, 0) for s in decoding])
-        for e in fed:
-            self._plan_fed(plan, e, drafts.get(e.slot.id, []), room)
-        for slot in decoding:
-            self._plan_decode(plan, slot, drafts.get(slot.id, []), room)
-        reading = [s for s in self.slots if s.state in READING
-                   and s.handle is not None and s.id not in chained]
-        if reading:
-            self.memory.plan_reading(plan, reading, room)
-        # (with no step in flight nothing is chained: `reading` holds every reading slot)
-        if not plan.entries and in_flight is None and reading and self.memory.preempt_youngest() is not None:
-            return self._plan(None)  # every reading slot waits for room that only a running one can give
-        return plan
-
-    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
-        """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
-        the pool's room (the first row's blocks are taken already)."""
-        if draft is not None:
-            position = len(slot.cache)
-            draft = draft[:room.grow(slot.id, position, 1, 1 + len(draft)) - 1]
-            plan.add_decode(slot, position, slot.last, draft)
-
-    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | None, room: KVRoom) -> None:
-        """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it (the draft
-        continues slot.last; None: drafting failed the slot's task)."""
-        slot = e.slot
-        position = e.fed_position
-        if e.prompt or e.n_rows > 1:  # the first generated token comes from the prompt's last logit row
-            plan.add_decode(slot, position, 0, [], fed_row=e.last_logit_row)
-        elif draft is not None:
-            guess, rest = (draft[0], draft[1:]) if draft else (None, [])
-            rest = rest[:room.grow(slot.id, position, 1, 1 + len(rest)) - 1]
-            plan.add_decode(slot, position, 0, rest, fed_row=e.last_logit_row, guess=guess)
 
     def _launch(self, plan: Plan) -> InFlight | None:
         if not plan.entries:
