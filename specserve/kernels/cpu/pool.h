@@ -11,8 +11,9 @@ typedef void (*pool_fn)(void* ctx, int start, int end);
 
 __attribute__((visibility("hidden"))) void pool_run(int nth, int n, int block, pool_fn fn, void* ctx);
 
-// A block size for n items on nth threads: ~8 blocks a thread (balance without many claims), at least `least`.
+// A block size for n items on nth threads: ~4 blocks a thread, at least `least`. Fewer, longer blocks stream a
+// matrix's rows further and claim less; more leave a slow or descheduled thread less to finish.
 static inline int pool_block(int n, int nth, int least) {
-    const int block = n / (8 * (nth > 0 ? nth : 1));
+    const int block = n / (4 * (nth > 0 ? nth : 1));
     return block > least ? block : least;
 }
