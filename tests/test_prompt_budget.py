@@ -31,8 +31,8 @@ def _slot(i: int, state: SlotState, prompt: list[int], at: int = 0) -> Any:
                            n_cached=at, t_start=float(i), replay=[], cache=[1] * 8, n_decoded=1)
 
 
-def _read(at: int, decoding: int) -> tuple[int, list[int]]:
-    """(prompt rows one reading slot at position `at` of a 100k-token prompt gets, each decode row's position)."""
+def _read(at: int, decoding: int) -> int:
+    """The prompt rows one reading slot at position `at` of a 100k-token prompt gets beside `decoding` decode rows."""
     reader = _slot(0, SlotState.PROMPT, [3] * 100_000, at)
     generating = [_slot(1 + i, SlotState.GENERATING, [3] * 8) for i in range(decoding)]
     memory = KVMemory(None, [reader, *generating], [], SchedulerCounters(), threading.Condition(), N_BATCH)  # type: ignore[arg-type]
@@ -40,15 +40,14 @@ def _read(at: int, decoding: int) -> tuple[int, list[int]]:
     for slot in generating:
         plan.add_decode(slot, 8, 5, [])
     memory.plan_reading(plan, [reader], KVRoom(BlockTable(1 + decoding, 1 << 16), most=1))
-    return reader.n_planned - at, plan.batch.positions[:decoding]
+    return reader.n_planned - at
 
 
 def test_decode_rows_shorten_a_deep_chunk() -> None:
-    assert _read(0, 0)[0] == N_BATCH  # no decode row: all of n_batch
-    assert _read(4096, 0)[0] == N_BATCH
-    rows, positions = _read(4096, 3)
-    assert positions == [8, 8, 8]
+    assert _read(0, 0) == N_BATCH  # no decode row: all of n_batch
+    assert _read(4096, 0) == N_BATCH
+    rows = _read(4096, 3)
     assert rows == prompt_rows_within(MIXED_STEP_COST * N_BATCH - 3, 4096) < N_BATCH // 2  # rows read ~4k positions
-    near = _read(0, 3)[0]
+    near = _read(0, 3)
     assert rows < near == N_BATCH - 3  # near the start: all of n_batch (it never takes more rows)
-    assert prompt_rows_within(MIXED_STEP_COST * N_BATCH - 3, 99_000) < MIN_CHUNK == _read(99_000, 3)[0]  # not starved
+    assert prompt_rows_within(MIXED_STEP_COST * N_BATCH - 3, 99_000) < MIN_CHUNK == _read(99_000, 3)  # not starved

@@ -168,8 +168,8 @@ class KVMemory:
         MIXED_STEP_COST n_batch), so that a chunk deep into a long prompt does not make every generating slot wait a
         long step for its token."""
         budget = max(self.n_batch - len(plan.batch), self.n_batch // 4, 1)
-        by_cost = len(plan.batch) > 0
-        cost = max(MIXED_STEP_COST * self.n_batch - len(plan.batch), self.n_batch / 4, 1)  # (by_cost only)
+        # what the prompt rows may still cost where decode rows share the step (None: they do not)
+        cost = max(MIXED_STEP_COST * self.n_batch - len(plan.batch), self.n_batch / 4, 1) if len(plan.batch) else None
         reading = sorted(reading, key=lambda s: s.t_start)
         waiting = False  # a new prompt waits for room: younger new prompts wait behind it (first come, first served)
         generating = sum(s.state is SlotState.GENERATING for s in self.slots)  # a block each, beside a new prompt
@@ -177,10 +177,10 @@ class KVMemory:
             replay = slot.state == SlotState.RESUMING
             tokens = slot.replay if replay else slot.task.prompt
             start = slot.n_planned
-            if budget <= 0 or by_cost and cost <= 0 or start >= len(tokens):
+            if budget <= 0 or cost is not None and cost <= 0 or start >= len(tokens):
                 continue
             # (by cost: still a block's rows a step, however deep into a long prompt)
-            affordable = max(prompt_rows_within(cost, start), MIN_CHUNK) if by_cost else budget
+            affordable = budget if cost is None else max(prompt_rows_within(cost, start), MIN_CHUNK)
             want = min(budget, affordable, len(tokens) - start)
             if not room.plenty and not replay and start == slot.n_cached:
                 # A prompt starts only where all of it fits beside a block for each generating slot: one that
@@ -196,7 +196,8 @@ class KVMemory:
             plan.add_prompt(slot, tokens[start:start + n], start, not replay and start + n == len(tokens), replay)
             slot.n_planned += n
             budget -= n
-            cost -= prompt_cost(start, n)
+            if cost is not None:
+                cost -= prompt_cost(start, n)
 
     def reserve(self, room: KVRoom, rows: list[tuple[Slot, int]]) -> list[Slot]:
         """One row at `position` for each slot; the slots that found no room (after idle caches went)."""

@@ -34,16 +34,15 @@ from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
 from specserve.engine.slot_jobs import JobQueue, JobWork
 from specserve.engine.slot_results import Settler
-from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
+from specserve.engine.slots import GENERATING, READING, HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
-from specserve.engine.step_planner import GENERATING, READING, StepPlanner
+from specserve.engine.step_planner import StepPlanner
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
 from specserve.engine.text_stream import TextStream
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
 
 
 class Scheduler:

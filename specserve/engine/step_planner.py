@@ -11,13 +11,8 @@ from specserve.engine import step_trace
 from specserve.engine.kv_room import KVMemory, KVRoom
 from specserve.engine.runner import Runner
 from specserve.engine.slot_drafts import DraftPolicy
-from specserve.engine.slots import Slot, SlotState
+from specserve.engine.slots import GENERATING, READING, Slot
 from specserve.engine.step_plan import Entry, Plan
-
-# The states the per-turn scans over every slot ask for, as locals of the module (a class attribute lookup and an
-# enum comparison per slot cost ~3x an identity test)
-GENERATING = SlotState.GENERATING
-READING = (SlotState.PROMPT, SlotState.RESUMING)
 
 
 class StepPlanner:
