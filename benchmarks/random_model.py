@@ -80,12 +80,12 @@ def gguf_like(weights: ModelWeights) -> ModelWeights:
     return weights
 
 
-def make_runner(fmt: str, n_ctx: int = 1024) -> LocalRunner:
+def make_runner(fmt: str, n_ctx: int = 1024, n_seqs: int = 1) -> LocalRunner:
     """Random weights: "float" (bf16), "q8", or "gguf_like" (the real file's quantization layout)."""
     weights = random_weights(CFG, torch.bfloat16, DEV)
     if fmt == "gguf_like":
-        return LocalRunner.from_weights(CFG, gguf_like(weights), n_ctx=n_ctx)
-    return LocalRunner.from_weights(CFG, weights, n_ctx=n_ctx, weight_format=fmt)
+        return LocalRunner.from_weights(CFG, gguf_like(weights), n_ctx=n_ctx, n_seqs=n_seqs)
+    return LocalRunner.from_weights(CFG, weights, n_ctx=n_ctx, n_seqs=n_seqs, weight_format=fmt)
 
 
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
