@@ -46,20 +46,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,2048,8192,32768")
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--grid-programs", default=str(attention_triton.GRID_PROGRAMS),
+                    help="the least split programs of a launch (attention_triton.GRID_PROGRAMS), a list to compare")
     ap.add_argument("--wide", type=int, default=1 << 20, help="positions of the wide table (a pool's -c)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     results = []
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        for rows in (int(r) for r in args.rows.split(",")):
-            ordered, shuffled = measure(ctx, rows, False), measure(ctx, rows, True)
-            wide = measure(ctx, rows, True, args.wide)
-            kv_bytes = rows * ctx * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-            results.append({"context": ctx, "rows": rows, "in_order_us": round(ordered, 2),
-                            "shuffled_us": round(shuffled, 2), "shuffled_over_in_order": round(shuffled / ordered, 3),
-                            "wide_us": round(wide, 2), "wide_over_shuffled": round(wide / shuffled, 3),
-                            "shuffled_bandwidth_fraction": round(kv_bytes / (shuffled * 1e-6) / bandwidth, 3)})
+    grids = [int(g) for g in args.grid_programs.split(",")]
+    for ctx, rows, grid in ((int(c), int(r), g) for c in args.contexts.split(",") for r in args.rows.split(",")
+                            for g in grids):
+        attention_triton.GRID_PROGRAMS = grid
+        ordered, shuffled = measure(ctx, rows, False), measure(ctx, rows, True)
+        wide = measure(ctx, rows, True, args.wide)
+        kv_bytes = rows * ctx * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+        results.append({"context": ctx, "rows": rows, "grid_programs": grid, "in_order_us": round(ordered, 2),
+                        "shuffled_us": round(shuffled, 2), "shuffled_over_in_order": round(shuffled / ordered, 3),
+                        "wide_us": round(wide, 2), "wide_over_shuffled": round(wide / shuffled, 3),
+                        "shuffled_bandwidth_fraction": round(kv_bytes / (shuffled * 1e-6) / bandwidth, 3)})
     print_table(results, list(results[0]))
     write_json(output_path(args.output, "attention_bench.json"),
                {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),

@@ -5,7 +5,8 @@ Every query row carries its own (sequence, position), so one launch serves any m
 decode rows and multi-token verify rows of many sequences, and the launch shape depends
 only on the row count: CUDA graphs can capture it. Each row's context (its position + 1, read
 on the device) is cut into at most MAX_SPLITS splits of a whole number of key tiles; one program
-handles one (row, kv head, split) for all query heads of that kv head (GQA), and a second kernel
+handles splits of one (row, kv head) for all query heads of that kv head (GQA): a grid of fewer programs a
+row the more rows a step has (each program takes every GRID_SPLITS-th split), and a second kernel
 merges a row's splits by their log-sum-exp. So a row's work follows its own context, never the
 pool's size or the table's width, and a row's result does not depend on the other rows (batch
 invariant). Each key's slot comes from its sequence's block table row (a gather of BLOCK_N table
@@ -22,6 +23,7 @@ from specserve.kernels.kv_format import format_of
 
 BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
+GRID_PROGRAMS = 2048  # split programs in a launch, at least: ~16 for each of the H100's / H200's 132 SMs
 # A row of ctx positions takes splits of cdiv(ctx, MAX_SPLITS * BLOCK_N) key tiles: one tile (64 keys) up to 4,096
 # positions, so a short row at small batch still spreads over many programs (each one latency-bound).
 
@@ -53,28 +55,30 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
                        stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
-                       stride_t, KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                       K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+                       stride_t, KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GRID_SPLITS: tl.constexpr,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr,
+                       V_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     pos = tl.load(pos_ptr + row)
     tiles = tl.cdiv(pos + 1, N_SPLITS * BLOCK)  # this row's split length in key tiles
-    start = split * tiles * BLOCK
-    if start <= pos:
-        seq = tl.load(seq_ptr + row)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        heads = kv_head * GROUP + g
-        g_mask = g < GROUP
-        q = tl.load(q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
-                    mask=g_mask[:, None], other=0.0)
-        table = table_ptr + seq * stride_t
+    seq = tl.load(seq_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    q = tl.load(q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    table = table_ptr + seq * stride_t
+    # This program takes splits first, first + GRID_SPLITS, ...: at many rows, a grid of N_SPLITS programs a row
+    # would be mostly programs with nothing to read. Each split is computed alone either way (the same bits).
+    for split in range(tl.program_id(2), tl.cdiv(pos + 1, tiles * BLOCK), GRID_SPLITS):
+        start = split * tiles * BLOCK
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        # The trip count is the row's own (read on the device), so graphs keep one launch shape for any context.
+        # The trip counts are the row's own (read on the device), so graphs keep one launch shape for any context.
         for i in range(0, tl.minimum(tiles, tl.cdiv(pos + 1 - start, BLOCK))):
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
@@ -116,6 +120,12 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.co
     tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty))
 
 
+def splits_in_grid(programs: int) -> int:
+    """Programs a (row, kv head) gets in the grid: enough that ~GRID_PROGRAMS programs share the GPU, at most
+    MAX_SPLITS (a power of two, so the graphs' launch shapes stay few)."""
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(-(-GRID_PROGRAMS // programs))))
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
               seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
     """q [N, H, D]; caches [n_blocks, Hkv, block_size, row] (one layer: rows of D values, or packed rows),
@@ -123,7 +133,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
-    n_splits = MAX_SPLITS  # the grid's bound: each row uses as many as its own context needs
+    n_splits = MAX_SPLITS  # the most splits a row's context is cut into
+    grid_splits = splits_in_grid(n_rows * n_kv)
     for c in (k_cache, v_cache):
         assert c.stride(3) == 1 and c.stride(2) == c.shape[3]
     assert q.stride(2) == 1 and table.stride(1) == 1
@@ -131,10 +142,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
-    _attn_split_kernel[(n_rows, n_kv, n_splits)](
+    _attn_split_kernel[(n_rows, n_kv, grid_splits)](
         q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), KV_BLOCK=block_size, N_SPLITS=n_splits, GROUP=group,
+        table.stride(0), KV_BLOCK=block_size, N_SPLITS=n_splits, GRID_SPLITS=grid_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
         K_ROW=k_cache.shape[3], V_ROW=v_cache.shape[3], K_BITS=k_bits, V_BITS=v_bits, num_warps=4, num_stages=2,
     )
