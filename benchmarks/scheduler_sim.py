@@ -16,6 +16,7 @@ import argparse
 import random
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 from bench_output import output_path, print_table, write_json
@@ -83,8 +84,11 @@ class FakeRunner:
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         self.ledger.truncate(seq, n_keep)
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        self.ledger.copy(src, dst)
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        self.ledger.cache(seq, names)
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        return self.ledger.attach(seq, names)
 
     def draft_limit(self, n_max: int) -> int:
         return min(n_max, 15)  # a verify step within 16 rows, as packed weights on CUDA

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ class PromptEchoRunner(FakeRunner):
         self.history = [[0] * n_ctx for _ in range(n_seqs)]
         self.prompt_len = [0] * n_seqs
         self._previous: dict[int, int] = {}  # row -> argmax of the step launched last (fed rows read it)
+        self._at_slot: dict[int, int] = {}  # pool slot -> the token written there (what cached blocks hold)
 
     def _next(self, seq: int, pos: int) -> int:
         token = self.history[seq][(pos + 1) % self.prompt_len[seq]]
@@ -62,7 +64,7 @@ class PromptEchoRunner(FakeRunner):
         return token if hit and token > 16 else self.newline
 
     def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:
-        self.ledger.admit(batch, fed)
+        slots = self.ledger.admit(batch, fed).slots
         busy_until = time.perf_counter() + self.host_s
         while time.perf_counter() < busy_until:  # host work that holds the GIL
             pass
@@ -73,7 +75,7 @@ class PromptEchoRunner(FakeRunner):
             seq, pos = batch.seq_ids[i], batch.positions[i]
             if fed is not None and fed[i] >= 0:
                 token = self._previous[fed[i]]
-            self.history[seq][pos] = token
+            self.history[seq][pos] = self._at_slot[slots[i]] = token
             if pos == 0:
                 self.prompt_len[seq] = 0
             if batch.want_logits[i]:
@@ -85,9 +87,13 @@ class PromptEchoRunner(FakeRunner):
         self._free_at = max(time.perf_counter(), self._free_at) + self.step_s + self.row_s * len(batch) + attention
         return TimedStep(tokens, self._free_at, self.vocab_size)
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        super().kv_copy(src, dst)
-        self.history[dst], self.prompt_len[dst] = list(self.history[src]), self.prompt_len[src]
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        """The tokens of the blocks taken become the sequence's history (its prompt's start)."""
+        n = super().kv_attach(seq, names)
+        for pos, slot in enumerate(self.ledger.blocks.slots(seq, 0, n)):
+            self.history[seq][pos] = self._at_slot[slot]
+        self.prompt_len[seq] = 0
+        return n
 
 
 def stand_in_runner(args: argparse.Namespace, settings: ServerSettings) -> tuple[PromptEchoRunner, None, Path]:

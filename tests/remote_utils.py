@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +78,11 @@ class FakeRunner:
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         self.ledger.truncate(seq, n_keep)
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        self.ledger.copy(src, dst)
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        self.ledger.cache(seq, names)
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        return self.ledger.attach(seq, names)
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
         time.sleep(self.warmup_s)

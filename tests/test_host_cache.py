@@ -21,7 +21,7 @@ def _text(seed: int, n: int = 90) -> str:
 
 
 def _run(runner: LocalRunner, tokenizer, prompts: list[str], host_bytes: int) -> tuple[list, Scheduler]:
-    """Each prompt in turn on one slot with one held prefix: (text, Result) of each, and the scheduler."""
+    """Each prompt in turn on one slot: (text, Result) of each, and the scheduler."""
     sched = Scheduler(runner, tokenizer, n_batch=64, n_slots=1, host_cache_bytes=host_bytes)
     sched.start()
     try:

@@ -1,7 +1,8 @@
 """The paged KV pool's bookkeeping (model/kv_blocks.py, model/kv_ledger.py) against a plain model of what each
-sequence holds: random writes, truncations and prefix shares, with every write's values stored at the slots the
-table gives, must read back as the sequence's own history; blocks are neither lost nor handed out twice; need()
-counts what a write takes and positions_within() is the longest write that fits."""
+sequence holds: random writes, truncations, blocks cached by content and attached to other sequences, with every
+write's values stored at the slots the table gives, must read back as the sequence's own history (an attached
+block holds what its name says); blocks are neither lost nor handed out twice; need() counts what a write takes and
+positions_within() is the longest write that fits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from specserve.errors import SpecserveError
 from specserve.model.batch import Batch
-from specserve.model.kv_blocks import BlockTable
+from specserve.model.kv_blocks import BlockTable, content_hashes
 from specserve.model.kv_ledger import KVCacheFull, KVLedger
 
 N_SEQS, N_BLOCKS, B = 3, 12, 4
@@ -19,7 +20,8 @@ N_SEQS, N_BLOCKS, B = 3, 12, 4
 ops = st.lists(st.one_of(
     st.tuples(st.just("write"), st.integers(0, N_SEQS - 1), st.integers(0, 1000), st.integers(1, 20)),
     st.tuples(st.just("truncate"), st.integers(0, N_SEQS - 1), st.integers(0, 1000)),
-    st.tuples(st.just("share"), st.integers(0, N_SEQS - 1), st.integers(0, N_SEQS - 1), st.integers(0, 1000)),
+    st.tuples(st.just("cache"), st.integers(0, N_SEQS - 1)),
+    st.tuples(st.just("attach"), st.integers(0, N_SEQS - 1), st.integers(0, N_SEQS - 1), st.integers(0, 1000)),
 ), max_size=60)
 
 
@@ -41,7 +43,9 @@ def check_invariants(t: BlockTable) -> None:
     assert t.used == len(set(held))  # every block in a table is out of the free list, and no other
     for b in set(held):
         assert t.refs[b] == held.count(b)
-    assert sorted(t._free) == sorted(set(range(N_BLOCKS)) - set(held))
+    assert sorted([*t._free, *t._cached]) == sorted(set(range(N_BLOCKS)) - set(held))
+    assert all(b in t._name_of for b in t._cached) and not set(t._free) & set(t._name_of)
+    assert {t._block_of[n]: n for n in t._block_of} == t._name_of  # one block a name, one name a block
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,10 +77,15 @@ def test_tables_follow_the_sequences(steps: list[tuple]) -> None:
             n = n % (len(history[seq]) + 1)
             t.truncate(seq, n)
             history[seq] = history[seq][:n]
-        else:
+        elif op[0] == "cache":  # (the stamps make every block's contents unique: names are its history)
+            _, seq = op
+            t.cache(seq, content_hashes(history[seq], block_size=B))
+        else:  # dst takes the cached blocks of src's history, then keeps n positions of them
             _, src, dst, n = op
-            t.share(src, dst)
-            history[dst] = list(history[src])
+            t.truncate(dst, 0)
+            got = t.attach(dst, content_hashes(history[src], block_size=B)) * B
+            assert got <= len(history[src])
+            history[dst] = history[src][:got]
             n = n % (len(history[dst]) + 1)
             t.truncate(dst, n)
             history[dst] = history[dst][:n]
@@ -88,8 +97,11 @@ def test_tables_follow_the_sequences(steps: list[tuple]) -> None:
 
 def test_positions_within_is_the_longest_write_that_fits() -> None:
     t = BlockTable(2, 6, 4)
-    t.write(0, 0, 10)  # blocks 0, 1, 2 (two positions of the last used)
-    t.share(0, 1)
+    t.write(0, 0, 12)  # blocks 0, 1, 2
+    t.cache(0, content_hashes(list(range(12)), block_size=4))
+    t.truncate(0, 10)
+    assert t.attach(1, content_hashes(list(range(12)), block_size=4)) == 3
+    t.truncate(1, 10)
     for blocks in range(4):
         fits = t.positions_within(1, 10, blocks)
         assert t.need(1, 10, 10 + fits) <= blocks < t.need(1, 10, 11 + fits)
@@ -118,12 +130,15 @@ def test_ledger_refuses_a_step_the_pool_cannot_hold_and_changes_nothing() -> Non
         ledger.admit(big, None)
 
 
-def test_a_shared_prefix_is_held_once_and_copied_on_write() -> None:
+def test_a_cached_prefix_is_held_once_and_copied_on_write() -> None:
     ledger = KVLedger(n_seqs=2, n_ctx=64, vocab_size=100, kv_size=64, block_size=16)
+    tokens = list(range(48))
     batch = Batch()
-    batch.add_sequence(list(range(40)), 0, 0, "last")
+    batch.add_sequence(tokens, 0, 0, "last")
     ledger.admit(batch, None)
-    ledger.copy(0, 1)
+    ledger.cache(0, content_hashes(tokens + [1] * 16))  # (names past what it holds are ignored)
+    assert ledger.blocks.n_cached == 3
+    assert ledger.attach(1, content_hashes(tokens)) == 48
     ledger.truncate(1, 36)
     assert ledger.blocks.free == 1  # three blocks, held by both sequences
     step = Batch()
@@ -131,6 +146,33 @@ def test_a_shared_prefix_is_held_once_and_copied_on_write() -> None:
     admitted = ledger.admit(step, None)
     assert admitted.copies == [(ledger.blocks.tables[0][2], ledger.blocks.tables[1][2])]
     assert ledger.blocks.tables[0][:2] == ledger.blocks.tables[1][:2] and ledger.blocks.free == 0
+
+
+def test_cached_blocks_outlive_their_holders_until_the_pool_needs_them() -> None:
+    """A named block no sequence holds stays attachable and counts as free; a write short of plain free blocks
+    takes the one given up longest ago (and its name goes); a write into a named block copies it first."""
+    t = BlockTable(2, 4, 4)
+    a, b = list(range(100, 108)), list(range(200, 208))
+    t.write(0, 0, 8)
+    t.cache(0, content_hashes(a, block_size=4))
+    t.truncate(0, 0)  # a's two blocks: cached, no holder
+    t.write(1, 0, 8)
+    t.cache(1, content_hashes(b, block_size=4))
+    t.truncate(1, 0)
+    assert t.free == 4 and t.n_cached == 4
+    assert t.cached_run(content_hashes(a, block_size=4)) == 2
+    # no plain free block: a write takes the block given up first, a's last (a sequence gives its blocks up from the
+    # end, so a prefix loses its tail first)
+    t.write(0, 0, 4)
+    assert t.cached_run(content_hashes(a, block_size=4)) == 1 and t.cached_run(content_hashes(b, block_size=4)) == 2
+    assert t.attach(1, content_hashes(b, block_size=4)) == 2 and t.free == 1
+    t.truncate(1, 6)
+    second = t.tables[1][1]
+    assert t.need(1, 6, 7) == 1
+    copies = t.write(1, 6, 7)  # into b's second block, held by sequence 1 alone: a copy is written, b keeps it
+    # the copy took a's last cached block; b's second, held by no one now, is cached among the free ones
+    assert copies == [(second, t.tables[1][1])] and t.free == 1 and t.cached_run(content_hashes(a, block_size=4)) == 0
+    assert t.cached_run(content_hashes(b, block_size=4)) == 2 and t.n_cached == 2
 
 
 def test_batch_runs_known_as_built_match_the_computed_ones():

@@ -7,6 +7,7 @@ import torch
 
 from specserve.errors import SpecserveError
 from specserve.model.batch import Batch
+from specserve.model.kv_blocks import content_hashes
 from tests.helpers import prefill
 
 SEQS = [
@@ -76,14 +77,18 @@ def test_truncate_then_different_tokens_forgets_old_ones(smollm_runner) -> None:
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_kv_copy(smollm_runner) -> None:
-    tokens = SEQS[1]
+def test_kv_cache_and_attach(smollm_runner) -> None:
+    """Another sequence takes the cached full blocks of a prompt's start and reads only the rest: the same logits."""
+    tokens = (SEQS[1] * 8)[:40]
     ref = alone(smollm_runner, tokens + [42])[-1]
     smollm_runner.kv_truncate(0, len(tokens))
-    smollm_runner.kv_copy(0, 3)
+    names = content_hashes(tokens)
+    smollm_runner.kv_cache(0, names)
+    assert smollm_runner.kv_attach(3, names + content_hashes(tokens + [1] * 16)[len(names):]) == 32
     batch = Batch()
-    batch.add(42, len(tokens), 3, logits=True)
+    batch.add_sequence(tokens[32:] + [42], 32, 3, "last")
     assert torch.allclose(smollm_runner.forward(batch)[0], ref, rtol=1e-4, atol=1e-4)
+    assert smollm_runner.seq_len[0] == len(tokens)  # (the holder is unchanged)
 
 
 def test_launch_argmax_and_fed_tokens_and_checks(smollm_runner) -> None:

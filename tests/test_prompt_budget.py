@@ -35,7 +35,7 @@ def _read(at: int, decoding: int) -> int:
     """The prompt rows one reading slot at position `at` of a 100k-token prompt gets beside `decoding` decode rows."""
     reader = _slot(0, SlotState.PROMPT, [3] * 100_000, at)
     generating = [_slot(1 + i, SlotState.GENERATING, [3] * 8) for i in range(decoding)]
-    memory = KVMemory(None, [reader, *generating], [], SchedulerCounters(), threading.Condition(), N_BATCH)  # type: ignore[arg-type]
+    memory = KVMemory(None, [reader, *generating], SchedulerCounters(), threading.Condition(), N_BATCH)  # type: ignore[arg-type]
     plan = Plan()
     for slot in generating:
         plan.add_decode(slot, 8, 5, [])

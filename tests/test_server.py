@@ -540,7 +540,6 @@ def test_serve_defaults_and_env_parsing(monkeypatch: pytest.MonkeyPatch) -> None
     (["-c", "8", "-np", "4"], "too small"),
     (["--port", "70000"], "not a TCP port"),
     (["--max-queue", "-1"], "--max-queue"),
-    (["--cache-prefixes", "-1"], "--cache-prefixes"),
     (["--max-body-bytes", "0"], "--max-body-bytes"),
     (["--shutdown-grace", "-1"], "--shutdown-grace"),
 ])

@@ -40,6 +40,7 @@ from specserve.kernels import settings as kernel_settings
 from specserve.kernels.quant_weight import QuantWeight
 from specserve.model.batch import Batch
 from specserve.model.config import ModelConfig
+from specserve.model.kv_blocks import content_hashes
 from specserve.model.tp_layout import ShardLayout, check_tensor_parallel
 from specserve.speculative.base import SpecParams
 from tests.server_utils import REPO, ServerProcess
@@ -189,22 +190,24 @@ def test_speculation_truncates_in_step(tp2: TensorParallelRunner, reference: Loc
     assert greedy_text(tp2, 12, spec) == greedy_text(reference, 12, spec)
 
 
-def test_commands_fed_copy_truncate(tp2: TensorParallelRunner, reference: LocalRunner) -> None:
-    tokens = [1, 504, 3458, 282, 4849, 314, 7042, 30]
+def test_commands_fed_cache_attach_truncate(tp2: TensorParallelRunner, reference: LocalRunner) -> None:
+    tokens = [1, 504, 3458, 282, 4849, 314, 7042, 30] * 3
     noise = one_process_noise(reference, tokens)
     outs = []
     for r in (tp2, reference):
-        last_logits(r, tokens[:6], seq=0)
-        r.kv_copy(0, 1)
-        r.kv_truncate(1, 4)
+        last_logits(r, tokens[:22], seq=0)
+        names = content_hashes(tokens[:22])
+        r.kv_cache(0, names)
+        assert r.kv_attach(1, names) == 16
+        r.kv_truncate(1, 12)  # into the shared block: sequence 1's write copies it first
         first = Batch()
-        first.add_sequence(tokens[4:6], 4, 1, "last")
+        first.add_sequence(tokens[12:22], 12, 1, "last")
         step = r.launch(first)
         fed = Batch()
-        fed.add(0, 6, 1, logits=True)  # its token: the argmax of row 1 of the step before, taken on the device
-        outs.append((step.tokens(), r.launch(fed, fed=[1]).logits()[0].clone(), list(r.seq_len)))
+        fed.add(0, 22, 1, logits=True)  # its token: the argmax of row 9 of the step before, taken on the device
+        outs.append((step.tokens(), r.launch(fed, fed=[9]).logits()[0].clone(), list(r.seq_len)))
     (tok_tp, logits_tp, len_tp), (tok_ref, logits_ref, len_ref) = outs
-    assert tok_tp == tok_ref and len_tp == len_ref == [6, 7]
+    assert tok_tp == tok_ref and len_tp == len_ref == [22, 23]
     assert_logits_close(logits_tp, logits_ref, noise)
 
 

@@ -58,10 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "all of them (default: min(model, 4096) per slot, times the slots)")
     g = p.add_argument_group("server")
     g.add_argument("-np", "--parallel", type=int, default=4, help="number of slots decoding together (default 4)")
-    g.add_argument("--cache-prefixes", type=int, default=None, metavar="N",
-                   help="prompt prefixes the KV pool keeps beyond the slots' own caches (a conversation's earlier "
-                        "turns, other system prompts), given up least recently used first when the pool is short "
-                        "(default: as many as slots, at least 8; 0: none)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not cache the KV pool's full blocks by content: a prompt then reuses only its own slot's "
+                        "cache, not another slot's prompt, a conversation's earlier turns kept after its slot moved "
+                        "on, or another tenant's system prompt (cached blocks are given up least recently used "
+                        "first when the pool is short)")
     g.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most tokens in one forward pass for prompt processing (default 512)")
     g.add_argument("--draft-policy", choices=("adaptive", "gated", "always"), default="adaptive",
@@ -155,7 +156,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         raise SpecserveError(f"-t/--threads must be at least 1, got {args.threads}")
     settings = ServerSettings(
         model=args.model, model_draft=args.model_draft, ctx_size=args.ctx_size, n_parallel=args.parallel,
-        cache_prefixes=args.cache_prefixes,
+        prefix_cache=not args.no_prefix_cache,
         n_batch=args.batch_size, adaptive_drafts=args.draft_policy != "always",
         chain_drafts=args.draft_policy == "adaptive", n_predict=args.n_predict, verbose=args.verbose,
         spec_shared_tokens=args.spec_shared_tokens, core_process=not args.core_in_process, threads=args.threads,

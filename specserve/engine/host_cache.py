@@ -1,10 +1,10 @@
 """Prompt caches kept in host memory (llama-server's --cache-ram), a tier below the KV pool.
 
-When the pool gives up an idle sequence's cache (a held prefix or an idle slot's, least recently used first:
-kv_room.py), its K/V are copied here instead of lost, up to a byte limit, the least recently used entry going
-first. A new prompt that starts with more of an entry than the pool holds for it gets those positions written
-back into its slot (Runner.kv_write) instead of reading the tokens again. Entries are keyed by their tokens and
-LoRA scales (slots.reusable), and an entry that another extends is dropped for it.
+When the pool gives up an idle slot's cache (least recently used first: kv_room.py), its K/V are copied here instead
+of lost, up to a byte limit, the least recently used entry going first. A new prompt that starts with more of an
+entry than the pool holds for it gets those positions written back into its slot (Runner.kv_write) instead of
+reading the tokens again. Entries are keyed by their tokens and LoRA scales (slots.reusable), and an entry that
+another extends is dropped for it.
 """
 
 from __future__ import annotations

@@ -8,32 +8,38 @@ still finds no room, running slots are preempted, youngest first (vLLM's recompu
 gives back its KV and, when room returns, reads its tokens again (`SlotState.RESUMING`) and goes on where it
 stopped. Its client only sees a pause. Preemption happens only while no step is in flight.
 
-The pool also keeps prompt prefixes beyond the slots' own caches: sequences past the slots (`HeldPrefix`) take
-over, by sharing its blocks, a cache that a slot gives up for another prompt, so a later request with that
-prefix (a conversation's next turn, another tenant's system prompt) reads only the rest. They are the first
-given up under pressure, least recently used first, beside idle slots' caches.
+The pool also keeps prompt prefixes beyond the slots' own caches: a slot names its full blocks by content as its
+prompt is read and when its task ends (`cache_settled`, kv_blocks.content_hashes), and a new prompt takes the named
+blocks of its longest cached prefix (`attach_cached`: a conversation's next turn, another tenant's system prompt,
+another slot's prompt being read), so it reads only the rest. Named blocks that no sequence holds any more stay
+cached among the free blocks until the pool needs them, least recently given up first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
-import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
 
 from specserve.engine.draft_gate import DRAFT_ROWS, MIN_DRAFT
 from specserve.engine.host_cache import HostCache
 from specserve.engine.runner import Runner
-from specserve.engine.slots import HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
+from specserve.engine.slots import SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Plan
 from specserve.engine.tasks import Task
 from specserve.errors import NotSupported
-from specserve.model.kv_blocks import BlockTable
+from specserve.model.kv_blocks import BlockTable, content_hashes
 from specserve.model.kv_ledger import KVCacheFull
 
 log = logging.getLogger(__name__)
 
-MIN_SHARED_PREFIX = 16  # prompt tokens another slot must add over a slot's own cache to be shared from
+MIN_SHARED_PREFIX = 16  # prompt tokens cached blocks must add over a slot's own cache to be taken
+MAX_GIVEN_UP = 64  # dropped caches noted for the host tier (KVMemory.given_up)
 # Context positions over which a prompt row's cost doubles (attention reads them all): on the H100 a 512-row prompt
 # step took 11 us a row near position 0 and 26.6 at ~3k (docs/perf.md, the long-prompt mix).
 ROW_COST_CONTEXT = 2048
@@ -85,14 +91,19 @@ class KVRoom:
 
 class KVMemory:
     """The pool's memory as the scheduler plans with it: room for a step's rows, idle caches given up under pressure
-    (to the host tier where there is one), running slots preempted, and prompt prefixes shared, held and read back.
-    It shares the scheduler's slots, held prefixes, counters and lock."""
+    (to the host tier where there is one), running slots preempted, and prompt prefixes cached by content and read
+    back. It shares the scheduler's slots, counters and lock. prefix_cache=False: no blocks are named (each prompt
+    reuses only its own slot's cache)."""
 
-    def __init__(self, runner: Runner, slots: list[Slot], held: list[HeldPrefix], counters: SchedulerCounters,
-                 lock: threading.Condition, n_batch: int, host_cache_bytes: int = 0):
-        self.runner, self.slots, self.held, self.counters = runner, slots, held, counters
+    def __init__(self, runner: Runner, slots: list[Slot], counters: SchedulerCounters, lock: threading.Condition,
+                 n_batch: int, host_cache_bytes: int = 0, prefix_cache: bool = True):
+        self.runner, self.slots, self.counters = runner, slots, counters
         self._cond, self.n_batch = lock, n_batch
+        self.prefix_cache = prefix_cache
         self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None  # --cache-ram (host_cache.py)
+        # caches slots dropped for other prompts, oldest first, whose named blocks the pool keeps: what the host tier
+        # takes before the pool gives those blocks up (spill_given_up)
+        self.given_up: OrderedDict[tuple[int, ...], tuple[float, ...]] = OrderedDict()
 
     def pick_slot(self, task: Task) -> Slot:
         """The idle slot whose cache shares the longest prefix with the prompt, else the least recently used."""
@@ -104,13 +115,13 @@ class KVMemory:
         return min(idle, key=lambda s: s.last_used)
 
     def evict_idle(self, room: KVRoom, need: int) -> None:
-        """Give up held prefixes and idle slots' caches, least recently used first, until `need` blocks are free (a
-        cache whose blocks running slots hold too frees nothing, and is kept)."""
+        """Give up idle slots' caches, least recently used first, until `need` blocks are free (a cache whose blocks
+        running slots hold too frees nothing, and is kept). Their named blocks stay cached until the pool needs them."""
         if room.plenty or room.free >= need:
             return
         tables = room.blocks.tables
         busy = {b for s in self.slots if s.handle is not None for b in tables[s.id]}
-        idle: list[Slot | HeldPrefix] = [*(s for s in self.slots if s.handle is None), *self.held]
+        idle = [s for s in self.slots if s.handle is None]
         for seq in sorted((s for s in idle if not busy.issuperset(tables[s.id])), key=lambda s: s.last_used):
             before = room.blocks.free
             self._keep_in_host(seq)
@@ -120,13 +131,17 @@ class KVMemory:
             if room.free >= need:
                 return
 
-    def _keep_in_host(self, seq: Slot | HeldPrefix) -> None:
+    def _keep_in_host(self, seq: Slot) -> None:
         """Copy a cache the pool gives up to the host tier (where there is one)."""
         n = min(len(seq.cache), self.runner.seq_len[seq.id])
-        if self.host_cache is None or n == 0:
+        if n:
+            self._to_host(seq.cache[:n], seq.adapters, lambda: self.runner.kv_read(seq.id)[:, :, :, :n])
+
+    def _to_host(self, tokens: list[int], adapters: tuple[float, ...], read: Callable[[], torch.Tensor]) -> None:
+        if self.host_cache is None:
             return
         try:
-            kept = self.host_cache.keep(seq.cache[:n], seq.adapters, lambda: self.runner.kv_read(seq.id)[:, :, :, :n])
+            kept = self.host_cache.keep(tokens, adapters, read)
         except NotSupported as exc:  # (a remote or tensor-parallel runner)
             log.warning("no host prompt cache: %s", exc)
             self.host_cache = None
@@ -134,6 +149,28 @@ class KVMemory:
         if kept:
             with self._cond:
                 self.counters.host_cache_kept += 1
+
+    def give_up(self, slot: Slot, keep: int) -> None:
+        """The slot keeps only `keep` positions of its cache for a new prompt: with a host tier, the rest (its named
+        blocks, cached by the pool) is noted for spill_given_up."""
+        n = min(len(slot.cache), self.runner.seq_len[slot.id]) // self.block_size * self.block_size
+        if self.host_cache is not None and self.prefix_cache and n >= keep + MIN_SHARED_PREFIX:
+            self.given_up[tuple(slot.cache[:n])] = slot.adapters
+            while len(self.given_up) > MAX_GIVEN_UP:
+                self.given_up.popitem(last=False)
+
+    def spill_given_up(self, most: int) -> None:
+        """Where the pool is short (fewer free blocks, cached ones counted, than a step can take), copy the oldest
+        given-up cache whose blocks are still cached to the host tier: one a step (a copy waits for the device), as
+        the pool gives up the blocks given up longest ago first. A pool with room to spare pays nothing here."""
+        blocks = self.runner.ledger.blocks
+        while self.given_up and blocks.free < most:
+            tokens, adapters = self.given_up.popitem(last=False)
+            names = content_hashes(tokens, adapters, self.block_size)
+            n = blocks.cached_run(names) * self.block_size
+            if n >= MIN_SHARED_PREFIX:
+                self._to_host(list(tokens[:n]), adapters, functools.partial(self.runner.kv_read_cached, names))
+                return
 
     def from_host(self, slot: Slot, prompt: list[int], keep: int) -> int:
         """Where the host tier holds more of the prompt than the slot keeps (its own cache or a shared prefix), write
@@ -227,35 +264,27 @@ class KVMemory:
         with self._cond:
             self.counters.kv_preemptions += 1
 
-    def share_prefix(self, slot: Slot, prompt: list[int], keep: int) -> int:
-        """Where another slot's cache or a held prefix holds more of the prompt than this slot's own (a shared system
-        prompt, a conversation's earlier turns), take that sequence's blocks (kv_copy: held once, copied on write)
-        instead of evaluating the prefix again; the caller truncates to the returned length. Only settled positions
-        count (slot.cache), so a step in flight on the other slot cannot matter."""
-        others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
-        held, best = max(((reusable(s, prompt, slot.adapters), s) for s in others), key=lambda pair: pair[0],
-                         default=(0, slot))
-        shared = min(held, len(prompt) - 1, self.runner.seq_len[best.id])
+    def cache_settled(self, slot: Slot) -> None:
+        """Name the full blocks of what the slot holds and has settled (slot.cache) by content, for attach_cached."""
+        if self.prefix_cache:
+            n = min(len(slot.cache), self.runner.seq_len[slot.id])
+            self.runner.kv_cache(slot.id, content_hashes(slot.cache[:n], slot.adapters, self.block_size))
+
+    def attach_cached(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Where cached blocks hold more of the prompt than the slot's own `keep` positions (a shared system prompt,
+        a conversation's earlier turns, another slot's prompt), the slot takes them (held once, copied on write)
+        instead of evaluating that prefix again; the caller truncates to the returned length."""
+        if not self.prefix_cache:
+            return keep
+        names = content_hashes(prompt, slot.adapters, self.block_size)
+        shared = min(self.runner.ledger.blocks.cached_run(names) * self.block_size, len(prompt) - 1)
         if shared < keep + MIN_SHARED_PREFIX:
             return keep
-        self.runner.kv_copy(best.id, slot.id)
-        best.last_used = time.perf_counter()
+        self.runner.kv_attach(slot.id, names[:-(-shared // self.block_size)])
         with self._cond:
             self.counters.prompt_tokens_shared += shared - keep
         return shared
 
-    def hold_prefix(self, slot: Slot, keep: int) -> None:
-        """Before an idle slot keeps only `keep` of its cache for a new prompt: have a held prefix take over the
-        rest (its blocks shared), unless another sequence holds it already or it is short."""
-        tokens = slot.cache[:self.runner.seq_len[slot.id]]
-        if not self.held or len(tokens) < keep + MIN_SHARED_PREFIX:
-            return
-        others: list[Slot | HeldPrefix] = [*(s for s in self.slots if s is not slot), *self.held]
-        if any(reusable(s, tokens, slot.adapters) == len(tokens) for s in others):
-            return
-        # the sequence it extends (it adds to that prefix), else an empty one, else the least recently used
-        spare = max(self.held, key=lambda h: (reusable(h, tokens, slot.adapters) == len(h.cache) > 0, not h.cache,
-                                              -h.last_used))
-        self.runner.kv_copy(slot.id, spare.id)
-        self.runner.kv_truncate(spare.id, len(tokens))
-        spare.cache, spare.last_used, spare.adapters = list(tokens), time.perf_counter(), slot.adapters
+    @property
+    def block_size(self) -> int:
+        return self.runner.ledger.blocks.block_size

@@ -255,11 +255,16 @@ class LocalRunner:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
         self.ledger.truncate(seq, n_keep)
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        """Make dst's cache a copy of src's (shared prompt prefixes): dst holds src's blocks, copied only when one
-        of the two writes into one of them."""
-        self.ledger.copy(src, dst)
-        self.kv.set_table(dst, self.ledger.blocks.tables[dst])
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        """Name the sequence's full blocks by content (kv_blocks.content_hashes of its tokens) for kv_attach."""
+        self.ledger.cache(seq, names)
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        """The sequence takes the cached blocks of the longest run of `names` (held once, copied only when one of
+        their holders writes into one); the positions it now holds."""
+        n = self.ledger.attach(seq, names)
+        self.kv.set_table(seq, self.ledger.blocks.tables[seq])
+        return n
 
     def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
         if self.adapters is not None:
@@ -284,6 +289,10 @@ class LocalRunner:
     def kv_read(self, seq: int) -> torch.Tensor:
         blocks = self.ledger.blocks
         return self.kv.read(blocks.slots(seq, 0, self.seq_len[seq]))
+
+    def kv_read_cached(self, names: Sequence[int]) -> torch.Tensor:
+        size = self.ledger.blocks.block_size
+        return self.kv.read([b * size + i for b in self.ledger.blocks.cached_blocks(names) for i in range(size)])
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:
         cfg = self.config

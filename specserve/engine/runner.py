@@ -74,7 +74,15 @@ class Runner(Protocol):
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
         ...
 
-    def kv_copy(self, src: int, dst: int) -> None: ...
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        """Name the sequence's full blocks by kv_blocks.content_hashes of the tokens it holds, so a sequence that
+        later starts with the same tokens can take them (kv_attach) instead of evaluating them again."""
+        ...
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        """The sequence, its own positions given up, takes the cached blocks of the longest run of `names` from the
+        first; the positions it now holds (a multiple of the block size)."""
+        ...
 
     def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
         """The sequence's scale per LoRA adapter from its next step on (): none); a runner without adapters
@@ -90,6 +98,10 @@ class Runner(Protocol):
 
     def kv_read(self, seq: int) -> torch.Tensor:
         """A copy of the sequence's cache on the CPU: [n_layers, 2, n_kv_heads, seq_len[seq], head_dim]."""
+        ...
+
+    def kv_read_cached(self, names: Sequence[int]) -> torch.Tensor:
+        """A copy on the CPU of the cached blocks of the longest run of `names` (kv_cache), as kv_read's."""
         ...
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:

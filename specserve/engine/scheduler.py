@@ -34,7 +34,7 @@ from specserve.engine.sampling import Sampler
 from specserve.engine.slot_drafts import ChainFactory, DraftPolicy
 from specserve.engine.slot_jobs import JobQueue, JobWork
 from specserve.engine.slot_results import Settler
-from specserve.engine.slots import GENERATING, READING, HeldPrefix, SchedulerCounters, Slot, SlotState, reusable
+from specserve.engine.slots import GENERATING, READING, SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Entry, InFlight, Plan
 from specserve.engine.step_planner import StepPlanner
 from specserve.engine.tasks import Event, Failure, Task, TaskHandle, check_task
@@ -50,15 +50,15 @@ class Scheduler:
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, *, chain_factory: ChainFactory | None = None,
                  n_batch: int = 512, overlap: bool = True, adaptive_drafts: bool = True, n_slots: int | None = None,
-                 chain_drafts: bool = True, host_cache_bytes: int = 0):
-        """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles
-        every step before the next is planned (the reference the tests compare with). adaptive_drafts: slots
-        draft only while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft.
-        n_slots: the runner's first sequences are slots (default all); the rest hold prompt prefixes
-        (kv_room.py). chain_drafts: with more busy slots than the gate weighs (draft_gate.MAX_DRAFTING_SLOTS),
-        slots draft in chained steps (the next step assumes the draft accepted); False: they do not draft.
-        host_cache_bytes: caches the pool gives up are kept in host memory up to this (host_cache.py; 0: none,
-        -1: no limit)."""
+                 chain_drafts: bool = True, host_cache_bytes: int = 0, prefix_cache: bool = True):
+        """chain_factory builds a slot's speculators (None: requests cannot speculate). overlap=False settles every step
+        before the next is planned (the reference the tests compare with). adaptive_drafts: slots draft only
+        while drafting measurably pays (draft_gate.py); False: whenever a speculator has a draft. n_slots: the
+        runner's first sequences are slots (default all). chain_drafts: with more busy slots than the gate
+        weighs (draft_gate.MAX_DRAFTING_SLOTS), slots draft in chained steps (the next step assumes the draft
+        accepted); False: they do not draft. host_cache_bytes: caches the pool gives up are kept in host memory
+        up to this (host_cache.py; 0: none, -1: no limit). prefix_cache: prompts take cached blocks of other
+        slots' and earlier tasks' tokens (kv_room.py); False: only their own slot's cache."""
         if n_batch < 1:
             raise SpecserveError(f"batch size must be at least 1, got {n_batch}")
         self.runner = runner
@@ -71,15 +71,15 @@ class Scheduler:
         if not 1 <= n_slots <= runner.n_seqs:
             raise SpecserveError(f"{n_slots} slots do not fit a runner of {runner.n_seqs} sequences")
         self.slots = [Slot(i) for i in range(n_slots)]
-        self.held = [HeldPrefix(i) for i in range(n_slots, runner.n_seqs)]
         self.counters = SchedulerCounters(kv_capacity=runner.ledger.kv_size)  # kv_tokens: counters_snapshot
         self._queue: deque[TaskHandle] = deque()
         self._cond = threading.Condition()
-        self.memory = KVMemory(runner, self.slots, self.held, self.counters, self._cond, n_batch, host_cache_bytes)
+        self.memory = KVMemory(runner, self.slots, self.counters, self._cond, n_batch, host_cache_bytes, prefix_cache)
         self.jobs = JobQueue(runner, self.slots, self._cond, self.memory, lambda: self._stopping)  # (slot_jobs.py)
         self._stopping = False
         self._in_flight: InFlight | None = None
-        self.settler = Settler(runner, tokenizer, self.slots, self.counters, self._cond)  # (slot_results.py)
+        self.settler = Settler(runner, tokenizer, self.slots, self.counters, self._cond,
+                               self.memory.cache_settled)  # (slot_results.py)
         self.drafting = DraftPolicy(runner, self.n_ctx, chain_factory, DraftGate() if overlap and adaptive_drafts
                                     else None, chain_drafts, self.settler.fail)
         self.settler.drafting = self.drafting
@@ -252,13 +252,12 @@ class Scheduler:
             # Evaluate at least one token (its logits start generation); keep no more than the runner still has
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
-            if task.cache_prompt:
-                self.memory.hold_prefix(slot, keep)
-            if slot.adapters != task.adapters:  # (the cache the slot held, if any, went to a held prefix)
+            self.memory.give_up(slot, keep)
+            if slot.adapters != task.adapters:  # (keep is 0: the slot's cache was another adapter mix's)
                 self.runner.set_adapter_scales(slot.id, task.adapters)
                 slot.adapters = task.adapters
             if task.cache_prompt:
-                keep = self.memory.share_prefix(slot, task.prompt, keep)
+                keep = self.memory.attach_cached(slot, task.prompt, keep)
                 keep = self.memory.from_host(slot, task.prompt, keep)
             self.runner.kv_truncate(slot.id, keep)
             slot.cache = task.prompt[:keep]

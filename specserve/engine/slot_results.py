@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,11 +28,14 @@ log = logging.getLogger(__name__)
 class Settler:
     """Settles the scheduler's steps and ends its tasks. It shares the scheduler's runner, slots, counters and lock;
     `drafting` is set by the scheduler (the policy's failures end tasks here). `outbox`: while not None, events
-    wait in it (the scheduler launches the next step first, then hands them out)."""
+    wait in it (the scheduler launches the next step first, then hands them out). name_blocks(slot) caches the full
+    blocks of what a slot has settled by content (KVMemory.cache_settled): called as its prompt is read and when
+    its task ends."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, slots: list[Slot], counters: SchedulerCounters,
-                 lock: threading.Condition):
+                 lock: threading.Condition, name_blocks: Callable[[Slot], None]):
         self.runner = runner
+        self.name_blocks = name_blocks
         self.tokenizer = tokenizer
         self.n_ctx = runner.n_ctx
         self.slots = slots
@@ -104,6 +108,7 @@ class Settler:
         task = slot.task
         slot.cache.extend(task.prompt[slot.n_past:slot.n_past + e.n_rows])
         slot.n_past += e.n_rows
+        self.name_blocks(slot)  # other slots' prompts may start the same way
         if task.return_progress:
             elapsed = (time.perf_counter() - slot.t_start) * 1000
             self._post(slot.handle, Progress(len(task.prompt), slot.n_cached, slot.n_past, elapsed))  # type: ignore[arg-type]
@@ -273,6 +278,7 @@ class Settler:
         result = self._result(slot, stop_type, now, context_full)
         # Steps queued after this one may have written past what the slot keeps.
         self.runner.kv_truncate(slot.id, len(slot.cache))
+        self.name_blocks(slot)  # (a conversation's next turn starts with all of it)
         with self._cond:
             c = self.counters
             c.tokens_predicted += slot.n_decoded

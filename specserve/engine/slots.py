@@ -110,20 +110,9 @@ class Slot:
 
 
 @dataclass
-class HeldPrefix:
-    """A KV sequence beyond the slots that keeps a prompt prefix a slot gave up (engine/kv_room.py): shared blocks,
-    given back under memory pressure, least recently used first."""
-
-    id: int
-    cache: list[int] = field(default_factory=list)  # the tokens its sequence holds
-    last_used: float = 0.0
-    adapters: tuple[float, ...] = ()  # the LoRA scales of its K/V
-
-
-@dataclass
 class SchedulerCounters:
     prompt_tokens: int = 0
-    prompt_tokens_shared: int = 0  # copied from another slot's cache instead of evaluated (part of the cached)
+    prompt_tokens_shared: int = 0  # taken from blocks cached by content instead of evaluated (part of the cached)
     prompt_seconds: float = 0.0
     tokens_predicted: int = 0
     predicted_seconds: float = 0.0
@@ -180,7 +169,7 @@ LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv
                     "shared_tokens", "host_cache_bytes"})
 
 
-def reusable(seq: Slot | HeldPrefix, tokens: list[int], adapters: tuple[float, ...]) -> int:
+def reusable(seq: Slot, tokens: list[int], adapters: tuple[float, ...]) -> int:
     """How many of `tokens` the sequence's cache holds for a task with these LoRA scales: K/V computed with other
     scales are other values, never reused."""
     return common_prefix(seq.cache, tokens) if seq.adapters == adapters else 0

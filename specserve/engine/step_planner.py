@@ -36,6 +36,7 @@ class StepPlanner:
         planned again."""
         if step_trace.TRACE is not None:
             step_trace.TRACE.planning()
+        self.memory.spill_given_up(self.most_blocks)
         room = KVRoom(self.runner.ledger.blocks, self.most_blocks)
         settling = [e for e in in_flight or () if not e.prompt or e.final]  # their next token is in flight
         fed = [e for e in settling if not e.ends(self.n_ctx)]

@@ -2,8 +2,8 @@
 and the loop the other ranks follow it in.
 
 Rank 0 runs everything above the runner (scheduler, speculators, sampling, HTTP). Each call that changes the
-ranks' state, a launch, kv_truncate or kv_copy, is checked on rank 0 first (a bad batch is refused before any
-rank hears of it), then broadcast to the followers as host integers over the gloo control group (a header,
+ranks' state, a launch, kv_truncate, kv_cache or kv_attach, is checked on rank 0 first (a bad batch is refused
+before any rank hears of it), then broadcast to the followers as host integers over the gloo control group (a header,
 then for a launch the batch's tokens, positions, sequence ids, wanted rows and fed rows), and then run by
 every rank on its shard: the same LocalRunner code (`ShardRunner`) with the rank's ShardedTransformer, whose
 collectives keep the ranks in step inside the forward. Every rank ends a step with all the logits and the
@@ -41,8 +41,14 @@ from specserve.model.weights import ModelWeights, resolve_weight_format
 
 log = logging.getLogger(__name__)
 
-LAUNCH, TRUNCATE, COPY, STOP = range(4)  # command headers: [op, a, b] (launch: rows, has fed)
+LAUNCH, TRUNCATE, CACHE, ATTACH, STOP = range(5)  # command headers: [op, a, b] (launch: rows, has fed; cache and
+# attach: the sequence and how many names follow)
 HEADER = 3
+
+
+def names_payload(names: Sequence[int]) -> torch.Tensor | None:
+    """Block names (kv_cache, kv_attach) as the tensor that follows their header (none for no names)."""
+    return torch.tensor(list(names), dtype=torch.long) if names else None
 
 
 class ShardRunner(LocalRunner):
@@ -95,11 +101,19 @@ class TensorParallelRunner(ShardRunner):
             super().kv_truncate(seq, n_keep)  # checked and done here first: a refused call is never sent
             self._send_or_fail([TRUNCATE, seq, n_keep])
 
-    def kv_copy(self, src: int, dst: int) -> None:
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
         with self._lock:
             self._check_alive()
-            super().kv_copy(src, dst)
-            self._send_or_fail([COPY, src, dst])
+            super().kv_cache(seq, names)
+            self._send_or_fail([CACHE, seq, len(names)], names_payload(names))
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        with self._lock:
+            self._check_alive()
+            n = super().kv_attach(seq, names)
+            self._send_or_fail([ATTACH, seq, len(names)], names_payload(names))
+            return n
+
 
     # Embeddings and slot files would need commands of their own on every rank: not done yet.
     def hidden_states(self, batch: Batch) -> torch.Tensor:
@@ -110,6 +124,9 @@ class TensorParallelRunner(ShardRunner):
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:
         raise NotSupported("slot save/restore is not supported with --tensor-parallel yet")
+
+    def kv_read_cached(self, names: Sequence[int]) -> torch.Tensor:
+        raise NotSupported("the host prompt cache is not supported with --tensor-parallel yet")
 
     def close(self) -> None:
         """Stop the followers (a STOP command, then waiting for the ones spawned here), leave the group.
@@ -137,9 +154,9 @@ class TensorParallelRunner(ShardRunner):
         if payload is not None:
             dist.broadcast(payload, 0, group=self.group.control)
 
-    def _send_or_fail(self, header: list[int]) -> None:
+    def _send_or_fail(self, header: list[int], payload: torch.Tensor | None = None) -> None:
         try:
-            self._send(header)
+            self._send(header, payload)
         except Exception as exc:
             raise self._fail(exc) from exc
 
@@ -240,7 +257,10 @@ def follow(group: RankGroup) -> int:
             shard.launch(Batch(tokens, positions, seq_ids, [bool(w) for w in wanted]), fed[0] if fed else None)
         elif op == TRUNCATE:
             shard.kv_truncate(a, b)
-        elif op == COPY:
-            shard.kv_copy(a, b)
+        elif op in (CACHE, ATTACH):
+            names = torch.empty(b, dtype=torch.long)
+            if b:
+                dist.broadcast(names, 0, group=group.control)
+            (shard.kv_cache if op == CACHE else shard.kv_attach)(a, names.tolist())
         else:
             raise SpecserveError(f"tensor parallel: unknown command {op} from rank 0")

@@ -111,12 +111,18 @@ class KVLedger:
         self.seq_len[seq] = n  # (the last step's rows may still be fed from: writing K/V launches no step)
         return self.blocks.slots(seq, 0, n)
 
-    def copy(self, src: int, dst: int) -> None:
-        """dst holds what src holds (the same blocks: nothing is copied until one of them writes into them)."""
-        if not (0 <= src < self.n_seqs and 0 <= dst < self.n_seqs):
-            raise SpecserveError(f"cannot copy sequence {src} to {dst}")
-        self.blocks.share(src, dst)
-        self.seq_len[dst] = self.seq_len[src]
+    def cache(self, seq: int, names: Sequence[int]) -> None:
+        """Name the sequence's full blocks by `names` (kv_blocks.content_hashes of the tokens it holds) so that
+        `attach` finds them; names past what it holds are ignored."""
+        self._check_seq(seq)
+        self.blocks.cache(seq, names[:self.seq_len[seq] // self.blocks.block_size])
+
+    def attach(self, seq: int, names: Sequence[int]) -> int:
+        """The sequence (its own positions given up first) takes the cached blocks of the longest run of `names`;
+        the positions it now holds."""
+        self.truncate(seq, 0)
+        self.seq_len[seq] = self.blocks.attach(seq, names) * self.blocks.block_size
+        return self.seq_len[seq]
 
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.n_seqs:

@@ -241,9 +241,15 @@ class RemoteRunner:
         self.ledger.truncate(seq, n_keep)
         self._acks.add(self._send("kv_truncate", seq=seq, n_keep=n_keep))  # acknowledged with the next reply
 
-    def kv_copy(self, src: int, dst: int) -> None:
-        self.ledger.copy(src, dst)
-        self._acks.add(self._send("kv_copy", src=src, dst=dst))
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        self.ledger.cache(seq, names)
+        self._acks.add(self._send("kv_cache", seq=seq, names=list(names)))
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        """(The host's ledger makes the same choice as this mirror: no reply is waited for.)"""
+        n = self.ledger.attach(seq, names)
+        self._acks.add(self._send("kv_attach", seq=seq, names=list(names)))
+        return n
 
     def set_adapter_scales(self, seq: int, scales: tuple[float, ...]) -> None:
         if scales:
@@ -259,6 +265,10 @@ class RemoteRunner:
 
     def kv_write(self, seq: int, kv: torch.Tensor) -> None:
         raise NotSupported("slot save/restore is not supported with --remote (the remote protocol has no such "
+                           "command)")
+
+    def kv_read_cached(self, names: Sequence[int]) -> torch.Tensor:
+        raise NotSupported("the host prompt cache is not supported with --remote (the remote protocol has no such "
                            "command)")
 
     def draft_limit(self, n_max: int) -> int:

@@ -273,8 +273,8 @@ class Connection:
         elif cmd.name == "kv_truncate":
             r.kv_truncate(f["seq"], f["n_keep"])
             self._queue(encode_reply(cmd, rid))
-        elif cmd.name == "kv_copy":
-            r.kv_copy(f["src"], f["dst"])
+        elif cmd.name in ("kv_cache", "kv_attach"):
+            (r.kv_cache if cmd.name == "kv_cache" else r.kv_attach)(f["seq"], f["names"])
             self._queue(encode_reply(cmd, rid))
         elif cmd.name == "warmup":
             if f["max_rows"] > 1 << 16 or f["prompt_rows"] > 1 << 16 or f["sequences"] > r.n_seqs:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = 0x53505356  # "SPSV"
-VERSION = (2, 0)  # (major, minor): a major mismatch is refused, a minor one warned about (2: the paged pool)
+VERSION = (3, 0)  # (major, minor): a major mismatch is refused, a minor one warned about (3: blocks cached by content)
 MAX_FRAME = 1 << 30  # bytes of one payload (a model's tokenizer metadata or a step's logits fit)
 MAX_INTS = 1 << 20  # entries of one integer list
 MAX_STR = 1 << 26  # bytes of one string
@@ -78,9 +78,10 @@ COMMANDS = (
                           ("fed", "ints"), ("want_logits", "u8")),
             (("argmax", "ints"), ("logits", "tensor"))),
     Command(4, "kv_truncate", (("seq", "u32"), ("n_keep", "u32")), ()),
-    Command(5, "kv_copy", (("src", "u32"), ("dst", "u32")), ()),
+    Command(5, "kv_cache", (("seq", "u32"), ("names", "ints")), ()),
     Command(6, "warmup", (("max_rows", "u32"), ("prompt_rows", "u32"), ("sequences", "u32")), (), slow=True),
     Command(7, "memory_info", (), (("kv_bytes", "i64"), ("weights_bytes", "i64"))),
+    Command(8, "kv_attach", (("seq", "u32"), ("names", "ints")), ()),
 )
 BY_CODE = {c.code: c for c in COMMANDS}
 BY_NAME = {c.name: c for c in COMMANDS}

@@ -90,7 +90,7 @@ def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner,
     """The served model's runners (target, draft or None) and its path, warmed up for the slots."""
     ctx = settings.kv_size()  # the most one slot may reach: the pool, as given; else the runner's default
     runner, draft_runner, path = load_with_draft(settings.model, settings.model_draft, remote=settings.remote,
-                                                 n_seqs=settings.n_parallel + settings.held_prefixes(),
+                                                 n_seqs=settings.n_parallel,
                                                  n_ctx=ctx, kv_size=ctx or settings.default_kv_size(),
                                                  device=settings.device, progress=progress,
                                                  weight_format=settings.weight_format, kv_types=settings.kv_types,
@@ -117,6 +117,7 @@ class LocalCore:
         self.scheduler = Scheduler(runner, tokenizer, n_batch=settings.n_batch, n_slots=settings.n_parallel,
                                    adaptive_drafts=settings.adaptive_drafts, chain_drafts=settings.chain_drafts,
                                    host_cache_bytes=settings.host_cache_bytes(runner.device.type),
+                                   prefix_cache=settings.prefix_cache,
                                    chain_factory=lambda spec, slot: build_chain(spec, draft_runner, seq=slot,
                                                                                 shared=store))
 

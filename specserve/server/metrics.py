@@ -32,7 +32,7 @@ _SERIES: tuple[tuple[Callable[..., Metric], str, str, str], ...] = (
     (Counter, "prompt_seconds", "prompt_seconds",
      "Prompt process time."),
     (Counter, "prompt_tokens_shared", "prompt_tokens_shared",
-     "Prompt tokens taken from another slot's cache or a held prefix (shared blocks) instead of evaluated."),
+     "Prompt tokens taken from blocks cached by content (other slots' prompts, earlier turns) instead of evaluated."),
     (Counter, "tokens_predicted", "tokens_predicted",
      "Number of generation tokens processed."),
     (Counter, "tokens_predicted_seconds", "predicted_seconds",

@@ -28,8 +28,7 @@ class ServerSettings:
     # most (the model's training context if shorter), a pool of that times the slots
     ctx_size: int | None = None
     n_parallel: int = 4
-    # prompt prefixes kept beyond the slots' caches (kv_room.py); None: as many as slots, at least 8
-    cache_prefixes: int | None = None
+    prefix_cache: bool = True  # full KV blocks cached by content across slots and tasks (kv_room.py)
     n_batch: int = 512
     adaptive_drafts: bool = True  # the draft gate (engine/draft_gate.py); False: slots draft whenever they can
     chain_drafts: bool = True  # past the gate's slot count, drafts ride chained steps; False: none drafts there
@@ -75,9 +74,6 @@ class ServerSettings:
             return 8192 << 20 if device_type == "cuda" else 0
         return -1 if self.cache_ram < 0 else self.cache_ram << 20
 
-    def held_prefixes(self) -> int:
-        return max(8, self.n_parallel) if self.cache_prefixes is None else self.cache_prefixes
-
     def kv_size(self) -> int | None:
         """-c: the pool's positions, which is also the most one slot may reach; None when not given."""
         if self.ctx_size is None or self.ctx_size == 0:
@@ -87,8 +83,8 @@ class ServerSettings:
         return self.ctx_size
 
     def default_kv_size(self) -> int:
-        """Without -c: a pool of min(model, 4096) positions a slot (held prefixes get none of their own: they
-        share what the slots leave). A remote host's model is not read here: 4096 a slot, the host's default
+        """Without -c: a pool of min(model, 4096) positions a slot (cached prefixes get none of their own: they
+        keep what the slots leave). A remote host's model is not read here: 4096 a slot, the host's default
         context per sequence within it."""
         per_slot = DEFAULT_CTX
         if self.remote is None:
@@ -101,8 +97,6 @@ class ServerSettings:
 def check_settings(s: ServerSettings) -> None:
     if s.n_parallel < 1:
         raise SpecserveError(f"-np/--parallel must be at least 1, got {s.n_parallel}")
-    if s.cache_prefixes is not None and s.cache_prefixes < 0:
-        raise SpecserveError(f"--cache-prefixes must not be negative, got {s.cache_prefixes}")
     if s.n_batch < 1:
         raise SpecserveError(f"-b/--batch-size must be at least 1, got {s.n_batch}")
     if s.n_predict < -1:
