@@ -8,7 +8,7 @@
 # a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
 #   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
-#   paged pool mixes kvtypes]
+#   paged pool mixes kvtypes batchprofile]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -61,6 +61,11 @@ for step in $steps; do
             timeout 1500 python3 benchmarks/moe_llama_cpp.py --llama-bin "$LLAMA_BIN" --types "${MOE_TYPES:-Q8_0,Q4_K_M}" \
                 -o "$OUT/moe_llama_cpp.json" 2>&1 | tail -8 ;;
         slowtests) timeout 900 python3 -m pytest -q -p no:cacheprovider -m slow 2>&1 | tail -5 ;;
+        batchprofile) # a serving step's kernels at 64 and 256 decode rows (random weights: no model file needed)
+            timeout 120 python3 benchmarks/attention_bench.py --contexts 600,2048 --rows 1,64,256,512 \
+                --grid-programs 1048576,2048 -o "$OUT/attention_bench.json" 2>&1 | tail -20
+            timeout 300 python3 benchmarks/batch_profile.py --rows 64,256 --chunks 0,448 --formats gguf_like,float \
+                --grid-programs 1048576,2048 -o "$OUT/batch_profile.json" 2>&1 | tail -90 ;;
         paged) # the paged KV pool on the GPU: kernels, graphs against eager, the pool's scheduling
             timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_graph_buckets.py \
                 tests/test_cuda_builds.py tests/test_kv_blocks.py tests/test_kv_pool.py tests/test_batch_invariant.py \

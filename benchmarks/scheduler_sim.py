@@ -16,7 +16,6 @@ import argparse
 import random
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 from bench_output import output_path, print_table, write_json
@@ -26,7 +25,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Event, Failure, Result, Task
 from specserve.model.batch import Batch
-from specserve.model.kv_ledger import KVLedger
+from specserve.model.kv_ledger import KVLedger, LedgerOnlyKV
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
 
@@ -55,7 +54,7 @@ class TimedStep:
         return out
 
 
-class FakeRunner:
+class FakeRunner(LedgerOnlyKV):
     """The Runner protocol over a KV ledger; a step's device time runs after the previous step's."""
 
     vocab_size = VOCAB
@@ -80,15 +79,6 @@ class FakeRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.launch(batch).logits()
-
-    def kv_truncate(self, seq: int, n_keep: int) -> None:
-        self.ledger.truncate(seq, n_keep)
-
-    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
-        self.ledger.cache(seq, names)
-
-    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
-        return self.ledger.attach(seq, names)
 
     def draft_limit(self, n_max: int) -> int:
         return min(n_max, 15)  # a verify step within 16 rows, as packed weights on CUDA

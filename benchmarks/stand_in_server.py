@@ -64,7 +64,12 @@ class PromptEchoRunner(FakeRunner):
         return token if hit and token > 16 else self.newline
 
     def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:
-        slots = self.ledger.admit(batch, fed).slots
+        admitted = self.ledger.admit(batch, fed)
+        slots, size = admitted.slots, self.ledger.blocks.block_size
+        for src, dst in admitted.copies:  # copy on write, as the device copies K/V
+            for i in range(size):
+                if src * size + i in self._at_slot:
+                    self._at_slot[dst * size + i] = self._at_slot[src * size + i]
         busy_until = time.perf_counter() + self.host_s
         while time.perf_counter() < busy_until:  # host work that holds the GIL
             pass

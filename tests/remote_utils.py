@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from specserve.model.batch import Batch
-from specserve.model.kv_ledger import KVLedger
+from specserve.model.kv_ledger import KVLedger, LedgerOnlyKV
 from specserve.remote.host import LoadRunner, serve
 from specserve.remote.protocol import (
     KEEPALIVE_INTERVAL,
@@ -56,7 +56,7 @@ class FakeConfig:
     hidden: int = 8
 
 
-class FakeRunner:
+class FakeRunner(LedgerOnlyKV):
     """The Runner protocol without a model: row i's argmax is its token + 1. A warm-up takes `warmup_s` seconds,
     a step `step_s`."""
 
@@ -74,15 +74,6 @@ class FakeRunner:
     def launch(self, batch: Batch, fed: Any = None, logits: bool = True) -> FakeStep:
         self.ledger.admit(batch, fed)
         return FakeStep(batch, self.vocab_size, self.step_s)
-
-    def kv_truncate(self, seq: int, n_keep: int) -> None:
-        self.ledger.truncate(seq, n_keep)
-
-    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
-        self.ledger.cache(seq, names)
-
-    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
-        return self.ledger.attach(seq, names)
 
     def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
         time.sleep(self.warmup_s)

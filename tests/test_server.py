@@ -499,6 +499,9 @@ def test_metrics_parse_and_move(server: ServerProcess) -> None:
     held = after[("llamacpp:kv_cache_tokens", ())]
     assert held % 16 == 0 and held >= delta("llamacpp:prompt_tokens_total")
     assert after[("llamacpp:kv_cache_usage_ratio", ())] == held / CTX
+    # the prompt's full blocks (and the answer's) are cached by content for later prompts
+    cached = after[("llamacpp:kv_cache_prefix_tokens", ())]
+    assert cached % 16 == 0 and cached > 0
     assert after[("llamacpp:kv_preemptions_total", ())] == 0
 
 

@@ -128,6 +128,7 @@ class Scheduler:
             c = self.counters.copy()
         blocks = self.runner.ledger.blocks  # derived when asked, not kept up per step
         c.kv_tokens = blocks.used * blocks.block_size
+        c.kv_cached_tokens = blocks.n_cached * blocks.block_size
         host = self.memory.host_cache
         c.host_cache_bytes = host.bytes if host is not None else 0
         return c

@@ -123,6 +123,7 @@ class SchedulerCounters:
     n_tokens_max: int = 0
     kv_tokens: int = 0  # KV pool positions in use (whole blocks), idle slots' prompt caches too (counters_snapshot)
     kv_capacity: int = 0  # positions of the pool
+    kv_cached_tokens: int = 0  # positions in blocks cached by content, held by a slot or free (counters_snapshot)
     kv_preemptions: int = 0  # running slots that gave back their KV for others (engine/kv_room.py)
     context_shifts: int = 0  # generations that filled their context and dropped old tokens (--context-shift)
     # the host prompt cache (host_cache.py): caches it took from the pool, prompt tokens written back, bytes held
@@ -165,8 +166,8 @@ class SchedulerCounters:
 
 
 # SchedulerCounters' fields that say how things stand now, not how many so far
-LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv_capacity", "shared_requests",
-                    "shared_tokens", "host_cache_bytes"})
+LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv_capacity", "kv_cached_tokens",
+                    "shared_requests", "shared_tokens", "host_cache_bytes"})
 
 
 def reusable(seq: Slot, tokens: list[int], adapters: tuple[float, ...]) -> int:

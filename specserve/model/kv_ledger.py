@@ -28,6 +28,22 @@ class Admitted:
     copies: list[tuple[int, int]]
 
 
+class LedgerOnlyKV:
+    """The Runner's KV calls for runners whose cache is only bookkeeping (test and benchmark stand-ins): each is the
+    ledger's own."""
+
+    ledger: KVLedger
+
+    def kv_truncate(self, seq: int, n_keep: int) -> None:
+        self.ledger.truncate(seq, n_keep)
+
+    def kv_cache(self, seq: int, names: Sequence[int]) -> None:
+        self.ledger.cache(seq, names)
+
+    def kv_attach(self, seq: int, names: Sequence[int]) -> int:
+        return self.ledger.attach(seq, names)
+
+
 class KVLedger:
     def __init__(self, n_seqs: int, n_ctx: int, vocab_size: int, kv_size: int | None = None,
                  block_size: int = BLOCK_SIZE):

@@ -65,6 +65,8 @@ _SERIES: tuple[tuple[Callable[..., Metric], str, str, str], ...] = (
      "Largest observed n_tokens in a slot."),
     (Gauge, "kv_cache_tokens", "kv_tokens",
      "KV pool positions in use (whole blocks, shared ones once)."),
+    (Gauge, "kv_cache_prefix_tokens", "kv_cached_tokens",
+     "KV pool positions in blocks cached by content for later prompts (held by a slot or among the free blocks)."),
     (Gauge, "host_cache_bytes", "host_cache_bytes",
      "Bytes the host prompt cache holds."),
     (Gauge, "shared_suffix_requests", "shared_requests",
@@ -97,7 +99,7 @@ class SchedulerCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(c, top) / below if below else 0.0)
         seen = c.prompt_tokens + c.prompt_tokens_cached
         yield GaugeMetricFamily(PREFIX + "prompt_cache_hit_ratio", "Prompt tokens reused (from the slot's own cache "
-                                "or another's shared prefix) / all prompt tokens, since start.",
+                                "or blocks cached by content) / all prompt tokens, since start.",
                                 value=c.prompt_tokens_cached / seen if seen else 0.0)
         yield GaugeMetricFamily(PREFIX + "process_start_time_seconds", "Start time of the server process (Unix "
                                 "seconds).", value=PROCESS_START)
