@@ -9,6 +9,7 @@ import torch
 from specserve.engine.host_cache import HostCache
 from specserve.engine.local_runner import LocalRunner
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.tasks import KVKey
 from tests.helpers import submit, wait
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
@@ -52,18 +53,22 @@ def test_a_prompt_the_pool_gave_up_is_read_back_from_host_memory(smollm_path, sm
     assert [text for text, _ in with_host] == [text for text, _ in without]
 
 
+KEY: KVKey = ((), "")  # no LoRA adapter, no cache salt
+
+
 def test_host_cache_entries() -> None:
     kv = torch.zeros(2, 2, 1, 20, 4)  # 1280 bytes of fp32 for 20 tokens
     cache = HostCache(limit_bytes=3 * 1280)
     a, b, c = list(range(20)), list(range(100, 120)), list(range(200, 220))
-    assert cache.keep(a, (), lambda: kv) and cache.keep(b, (), lambda: kv) and cache.keep(c, (), lambda: kv)
-    assert not cache.keep(a[:18], (), lambda: kv)  # held already
-    assert not cache.keep(a[:8], (), lambda: kv)  # too short to keep
-    assert cache.best(a + [7], ()) == (20, cache.best(a, ())[1]) and cache.best(a, (1.0,)) == (0, None)
-    assert cache.keep(list(range(300, 320)), (), lambda: kv)  # over the limit: b (least recently used) goes
-    assert cache.best(b, ())[0] == 0 and cache.best(c, ())[0] == 20 and len(cache) == 3
+    assert cache.keep(a, KEY, lambda: kv) and cache.keep(b, KEY, lambda: kv) and cache.keep(c, KEY, lambda: kv)
+    assert not cache.keep(a[:18], KEY, lambda: kv)  # held already
+    assert not cache.keep(a[:8], KEY, lambda: kv)  # too short to keep
+    assert cache.best(a + [7], KEY) == (20, cache.best(a, KEY)[1])
+    assert cache.best(a, ((1.0,), "")) == cache.best(a, ((), "tenant/")) == (0, None)  # other scales, another salt
+    assert cache.keep(list(range(300, 320)), KEY, lambda: kv)  # over the limit: b (least recently used) goes
+    assert cache.best(b, KEY)[0] == 0 and cache.best(c, KEY)[0] == 20 and len(cache) == 3
     longer = torch.zeros(2, 2, 1, 25, 4)
-    assert cache.keep(a + [1, 2, 3, 4, 5], (), lambda: longer)  # it extends a: a's entry goes, and for room the
+    assert cache.keep(a + [1, 2, 3, 4, 5], KEY, lambda: longer)  # it extends a: a's entry goes, and for room the
     assert len(cache) == 2 and cache.bytes == 1280 + 1600  # least recently used (300..319; c was just read)
-    assert cache.best(c, ())[0] == 20 and cache.best(a, ())[0] == 20
-    assert not HostCache(100).keep(a, (), lambda: kv)  # larger than the whole limit
+    assert cache.best(c, KEY)[0] == 20 and cache.best(a, KEY)[0] == 20
+    assert not HostCache(100).keep(a, KEY, lambda: kv)  # larger than the whole limit

@@ -135,6 +135,28 @@ def test_without_the_prefix_cache_a_prompt_reuses_only_its_own_slot(smollm_path:
     assert isinstance(own_off, Result) and own_off.n_cached >= n_a
 
 
+def test_prompt_caches_are_shared_only_within_a_cache_salt(smollm_path: Path) -> None:
+    """Task.cache_salt (a request's cache_salt and API key): a prompt another salt's task cached, on this slot or in
+    cached blocks, is read again; the same salt reuses it; the text is the same either way."""
+    runner = LocalRunner(smollm_path, n_seqs=1, n_ctx=512, kv_size=1024, device="cpu", progress=False)
+    tokenizer = Tokenizer.from_gguf(runner.gguf)
+    a = "A conversation about the sea, its tides, its fish, its boats and the people on its shores. " * 3
+    b = "Another one, about mountains: their snow, their rocks, the paths and the huts of the climbers. " * 3
+    sched = Scheduler(runner, tokenizer, n_batch=512)
+    sched.start()
+    try:
+        first = wait(submit(sched, tokenizer, a, n_predict=4, cache_salt="alice/")[1])
+        other = wait(submit(sched, tokenizer, a, n_predict=4, cache_salt="bob/")[1])  # its own slot's cache too
+        wait(submit(sched, tokenizer, b, n_predict=4, cache_salt="bob/")[1])
+        again = wait(submit(sched, tokenizer, a, n_predict=4, cache_salt="alice/")[1])  # from cached blocks
+    finally:
+        sched.shutdown()
+    n_a = len(tokenizer.encode(a))
+    assert isinstance(other[1], Result) and other[1].n_cached == 0
+    assert isinstance(again[1], Result) and again[1].n_cached >= n_a - 16
+    assert first[0] == other[0] == again[0]
+
+
 def test_a_draft_model_gives_up_idle_caches_for_room(smollm_path: Path) -> None:
     target = LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cpu", progress=False)
     draft = LocalRunner(smollm_path, n_seqs=3, n_ctx=192, kv_size=192, device="cpu", progress=False)

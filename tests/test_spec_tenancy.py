@@ -53,3 +53,21 @@ def test_each_key_drafts_only_from_its_own_earlier_requests(server: ServerProces
 def test_a_wrong_key_is_refused(server: ServerProcess) -> None:
     r = server.post("/completion", {"prompt": "hi", "n_predict": 1}, headers={"Authorization": "Bearer key-c"})
     assert r.status_code == 401
+
+
+def test_each_key_reuses_only_its_own_prompt_caches(server: ServerProcess) -> None:
+    """Prompt caches (the slot's own and blocks cached by content) are reused within an API key and cache_salt only:
+    another key's cached prompt is read again (no timing tells one tenant what another asked)."""
+    prompt = "List three facts about lighthouses, each in one sentence."  # no request so far had it
+
+    def cached(key: str, **fields: Any) -> int:
+        answer = complete(server, key, cache_prompt=True, messages=[{"role": "user", "content": prompt}],
+                          **{"speculative.n_max": 0, **fields})
+        return answer["timings"]["cache_n"]
+
+    # (salts no earlier request had: the chat template's start is in every key's earlier requests)
+    cached("key-a", cache_salt="s1")
+    assert cached("key-a", cache_salt="s1") > 16  # its own slot's cache
+    assert cached("key-b", cache_salt="s1") == 0  # the same salt, but key-a's prompt is not key-b's to reuse
+    assert cached("key-a", cache_salt="s1") >= 16  # from key-a's cached blocks (the slot now holds key-b's)
+    assert cached("key-a", cache_salt="s2") == 0  # nor another salt's within one key

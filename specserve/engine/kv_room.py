@@ -31,7 +31,7 @@ from specserve.engine.host_cache import HostCache
 from specserve.engine.runner import Runner
 from specserve.engine.slots import SchedulerCounters, Slot, SlotState, reusable
 from specserve.engine.step_plan import Plan
-from specserve.engine.tasks import Task
+from specserve.engine.tasks import KVKey, Task
 from specserve.errors import NotSupported
 from specserve.model.kv_blocks import BlockTable, content_hashes
 from specserve.model.kv_ledger import KVCacheFull
@@ -103,14 +103,14 @@ class KVMemory:
         self.host_cache = HostCache(host_cache_bytes) if host_cache_bytes else None  # --cache-ram (host_cache.py)
         # caches slots dropped for other prompts, oldest first, whose named blocks the pool keeps: what the host tier
         # takes before the pool gives those blocks up (spill_given_up)
-        self.given_up: OrderedDict[tuple[int, ...], tuple[float, ...]] = OrderedDict()
+        self.given_up: OrderedDict[tuple[int, ...], KVKey] = OrderedDict()
 
     def pick_slot(self, task: Task) -> Slot:
         """The idle slot whose cache shares the longest prefix with the prompt, else the least recently used."""
         idle = [s for s in self.slots if s.handle is None]
         if task.cache_prompt:
-            best = max(idle, key=lambda s: (reusable(s, task.prompt, task.adapters), -s.last_used))
-            if reusable(best, task.prompt, task.adapters) > 0:
+            best = max(idle, key=lambda s: (reusable(s, task), -s.last_used))
+            if reusable(best, task) > 0:
                 return best
         return min(idle, key=lambda s: s.last_used)
 
@@ -135,13 +135,13 @@ class KVMemory:
         """Copy a cache the pool gives up to the host tier (where there is one)."""
         n = min(len(seq.cache), self.runner.seq_len[seq.id])
         if n:
-            self._to_host(seq.cache[:n], seq.adapters, lambda: self.runner.kv_read(seq.id)[:, :, :, :n])
+            self._to_host(seq.cache[:n], seq.kv_key, lambda: self.runner.kv_read(seq.id)[:, :, :, :n])
 
-    def _to_host(self, tokens: list[int], adapters: tuple[float, ...], read: Callable[[], torch.Tensor]) -> None:
+    def _to_host(self, tokens: list[int], key: KVKey, read: Callable[[], torch.Tensor]) -> None:
         if self.host_cache is None:
             return
         try:
-            kept = self.host_cache.keep(tokens, adapters, read)
+            kept = self.host_cache.keep(tokens, key, read)
         except NotSupported as exc:  # (a remote or tensor-parallel runner)
             log.warning("no host prompt cache: %s", exc)
             self.host_cache = None
@@ -155,7 +155,7 @@ class KVMemory:
         blocks, cached by the pool) is noted for spill_given_up."""
         n = min(len(slot.cache), self.runner.seq_len[slot.id]) // self.block_size * self.block_size
         if self.host_cache is not None and self.prefix_cache and n >= keep + MIN_SHARED_PREFIX:
-            self.given_up[tuple(slot.cache[:n])] = slot.adapters
+            self.given_up[tuple(slot.cache[:n])] = slot.kv_key
             while len(self.given_up) > MAX_GIVEN_UP:
                 self.given_up.popitem(last=False)
 
@@ -165,11 +165,11 @@ class KVMemory:
         the pool gives up the blocks given up longest ago first. A pool with room to spare pays nothing here."""
         blocks = self.runner.ledger.blocks
         while self.given_up and blocks.free < most:
-            tokens, adapters = self.given_up.popitem(last=False)
-            names = content_hashes(tokens, adapters, self.block_size)
+            tokens, key = self.given_up.popitem(last=False)
+            names = content_hashes(tokens, key, self.block_size)
             n = blocks.cached_run(names) * self.block_size
             if n >= MIN_SHARED_PREFIX:
-                self._to_host(list(tokens[:n]), adapters, functools.partial(self.runner.kv_read_cached, names))
+                self._to_host(list(tokens[:n]), key, functools.partial(self.runner.kv_read_cached, names))
                 return
 
     def from_host(self, slot: Slot, prompt: list[int], keep: int) -> int:
@@ -177,7 +177,7 @@ class KVMemory:
         that entry's positions into the slot's sequence; the positions the sequence now holds for the prompt."""
         if self.host_cache is None:
             return keep
-        n, entry = self.host_cache.best(prompt, slot.adapters)
+        n, entry = self.host_cache.best(prompt, slot.kv_key)
         n = min(n, len(prompt) - 1)
         if entry is None or n < keep + MIN_SHARED_PREFIX:
             return keep
@@ -268,7 +268,7 @@ class KVMemory:
         """Name the full blocks of what the slot holds and has settled (slot.cache) by content, for attach_cached."""
         if self.prefix_cache:
             n = min(len(slot.cache), self.runner.seq_len[slot.id])
-            self.runner.kv_cache(slot.id, content_hashes(slot.cache[:n], slot.adapters, self.block_size))
+            self.runner.kv_cache(slot.id, content_hashes(slot.cache[:n], slot.kv_key, self.block_size))
 
     def attach_cached(self, slot: Slot, prompt: list[int], keep: int) -> int:
         """Where cached blocks hold more of the prompt than the slot's own `keep` positions (a shared system prompt,
@@ -276,7 +276,7 @@ class KVMemory:
         instead of evaluating that prefix again; the caller truncates to the returned length."""
         if not self.prefix_cache:
             return keep
-        names = content_hashes(prompt, slot.adapters, self.block_size)
+        names = content_hashes(prompt, slot.kv_key, self.block_size)
         shared = min(self.runner.ledger.blocks.cached_run(names) * self.block_size, len(prompt) - 1)
         if shared < keep + MIN_SHARED_PREFIX:
             return keep

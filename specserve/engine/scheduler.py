@@ -249,7 +249,7 @@ class Scheduler:
         slot = next(s for s in self.slots if s.handle is handle)
         task = handle.task
         try:
-            keep = reusable(slot, task.prompt, task.adapters) if task.cache_prompt else 0
+            keep = reusable(slot, task) if task.cache_prompt else 0
             # Evaluate at least one token (its logits start generation); keep no more than the runner still has
             # (a remote host that restarted has lost every cache).
             keep = min(keep, len(task.prompt) - 1, self.runner.seq_len[slot.id])
@@ -257,6 +257,7 @@ class Scheduler:
             if slot.adapters != task.adapters:  # (keep is 0: the slot's cache was another adapter mix's)
                 self.runner.set_adapter_scales(slot.id, task.adapters)
                 slot.adapters = task.adapters
+            slot.cache_salt = task.cache_salt
             if task.cache_prompt:
                 keep = self.memory.attach_cached(slot, task.prompt, keep)
                 keep = self.memory.from_host(slot, task.prompt, keep)

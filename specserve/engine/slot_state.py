@@ -31,7 +31,7 @@ def embed(runner: Runner, slot: Slot, tokens: list[int], n_batch: int, pooling: 
         raise SpecserveError(f"the input ({len(tokens)} tokens) must be 1..{runner.n_ctx - 1} tokens (the slot "
                              "context)")
     runner.kv_truncate(slot.id, 0)
-    slot.cache = []
+    slot.cache, slot.cache_salt = [], ""  # (no request's salt: only unsalted prompts reuse it)
     if slot.adapters:  # embeddings are the base model's
         runner.set_adapter_scales(slot.id, ())
         slot.adapters = ()
@@ -86,7 +86,7 @@ def restore(runner: Runner, slot: Slot, path: Path, model: dict[str, Any]) -> tu
     if not isinstance(adapters, list) or not all(isinstance(s, float) for s in adapters):
         raise SpecserveError(f"{path.name} is damaged (its LoRA scales are not a list of numbers)")
     runner.kv_truncate(slot.id, 0)
-    slot.cache = []
+    slot.cache, slot.cache_salt = [], ""
     if tuple(adapters) != slot.adapters:  # the K/V were computed with these scales: later tasks match them
         runner.set_adapter_scales(slot.id, tuple(adapters))
         slot.adapters = tuple(adapters)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from specserve.engine.sampling import Sampler
-from specserve.engine.tasks import Task, TaskHandle
+from specserve.engine.tasks import KVKey, Task, TaskHandle
 from specserve.engine.text_stream import TextStream
 from specserve.model.batch import common_prefix
 from specserve.speculative.base import Chain, SpecParams
@@ -33,6 +33,11 @@ class Slot:
     cache: list[int] = field(default_factory=list)  # tokens whose K/V sit in this slot's sequence (settled)
     last_used: float = 0.0
     adapters: tuple[float, ...] = ()  # the LoRA scales its sequence's K/V were computed with (Task.adapters)
+    cache_salt: str = ""  # the salt of the task that left its cache (Task.cache_salt)
+    @property
+    def kv_key(self) -> KVKey:
+        return self.adapters, self.cache_salt
+
     # per task
     n_past: int = 0  # prompt tokens in the cache
     n_planned: int = 0  # prompt tokens in launched steps (n_past once they are settled)
@@ -170,7 +175,7 @@ LEVELS = frozenset({"requests_processing", "requests_deferred", "kv_tokens", "kv
                     "shared_requests", "shared_tokens", "host_cache_bytes"})
 
 
-def reusable(seq: Slot, tokens: list[int], adapters: tuple[float, ...]) -> int:
-    """How many of `tokens` the sequence's cache holds for a task with these LoRA scales: K/V computed with other
-    scales are other values, never reused."""
-    return common_prefix(seq.cache, tokens) if seq.adapters == adapters else 0
+def reusable(seq: Slot, task: Task) -> int:
+    """How many of the task's prompt tokens the slot's cache holds for it: K/V computed with other LoRA scales are
+    other values, and another cache salt's are not shared (Task.kv_key)."""
+    return common_prefix(seq.cache, task.prompt) if seq.kv_key == task.kv_key else 0

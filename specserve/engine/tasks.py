@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 _task_ids = itertools.count()
 
 
+# What besides its tokens a cached K/V's reuse depends on: the LoRA scales it was computed with and the cache salt
+KVKey = tuple[tuple[float, ...], str]
+
 @dataclass
 class Task:
     """One generation request, already tokenized and validated."""
@@ -49,7 +52,15 @@ class Task:
     n_keep: int = 0
     timings_per_token: bool = False  # every Chunk carries the timings so far
     adapters: tuple[float, ...] = ()  # a scale per loaded LoRA adapter (model/lora.py); (): none applies
+    # Prompt caches are reused only between tasks of one salt (vLLM's cache_salt; the server puts the request's
+    # API key in it): another salt's cached K/V are neither taken nor timed
+    cache_salt: str = ""
     id: int = field(default_factory=lambda: next(_task_ids))
+
+    @property
+    def kv_key(self) -> KVKey:
+        """What besides the tokens decides which cached K/V the task may reuse."""
+        return self.adapters, self.cache_salt
 
     def params_json(self) -> dict[str, object]:
         """The task's parameters as llama-server shows them (in /slots and in responses)."""

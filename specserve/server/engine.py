@@ -193,7 +193,8 @@ class Engine:
                 constraint = self.grammars.compile(source) if source is not None else None
                 tasks.append(Task(prompt=prompt, sampling=replace(sampling, seed=choice_seed(sampling.seed, choice)),
                                   spec=spec, n_predict=limit, stop=fields.stop_list(),
-                                  cache_prompt=fields.cache_prompt, n_probs=n_probs, ignore_eos=fields.ignore_eos,
+                                  cache_prompt=fields.cache_prompt, cache_salt=fields.cache_salt or "",
+                                  n_probs=n_probs, ignore_eos=fields.ignore_eos,
                                   constraint=constraint, logit_bias=logit_bias, keep_special=keep_special,
                                   prediction=prediction or None, return_progress=fields.return_progress,
                                   timings_per_token=fields.timings_per_token, context_shift=s.context_shift,
@@ -203,9 +204,12 @@ class Engine:
     @staticmethod
     def scope_tasks(tasks: list[Task], tenant: str) -> None:
         """Tasks draft from earlier requests (shared_suffix.py) of their tenant (which API key authorised them)
-        and, within it, of the scope their client named."""
+        and, within it, of the scope their client named; they reuse prompt caches of their tenant only (with API
+        keys), and within it of their cache salt."""
         for task in tasks:
             task.spec = replace(task.spec, scope=f"{tenant}/{task.spec.scope}")
+            if tenant:
+                task.cache_salt = f"{tenant}/{task.cache_salt}"
 
     def default_params(self) -> dict[str, object]:
         s = self.settings

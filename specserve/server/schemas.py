@@ -105,6 +105,8 @@ class GenerationFields(StrictModel):
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)
     stop: str | list[str] | None = None
     cache_prompt: bool = True
+    # vLLM's: prompt caches are shared only between requests of the same salt (and API key)
+    cache_salt: str | None = Field(None, max_length=256)
     n_keep: int = Field(0, ge=-1)  # with --context-shift: tokens kept from the start when the context fills
     return_progress: bool = False  # streams: prompt_progress while the prompt is read (llama-server's)
     timings_per_token: bool = False  # streams: every chunk carries the timings so far (llama-server's)
