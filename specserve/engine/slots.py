@@ -34,6 +34,7 @@ class Slot:
     last_used: float = 0.0
     adapters: tuple[float, ...] = ()  # the LoRA scales its sequence's K/V were computed with (Task.adapters)
     cache_salt: str = ""  # the salt of the task that left its cache (Task.cache_salt)
+
     @property
     def kv_key(self) -> KVKey:
         return self.adapters, self.cache_salt

@@ -26,6 +26,7 @@ _task_ids = itertools.count()
 # What besides its tokens a cached K/V's reuse depends on: the LoRA scales it was computed with and the cache salt
 KVKey = tuple[tuple[float, ...], str]
 
+
 @dataclass
 class Task:
     """One generation request, already tokenized and validated."""

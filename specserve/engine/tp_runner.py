@@ -114,7 +114,6 @@ class TensorParallelRunner(ShardRunner):
             self._send_or_fail([ATTACH, seq, len(names)], names_payload(names))
             return n
 
-
     # Embeddings and slot files would need commands of their own on every rank: not done yet.
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         raise NotSupported("embeddings are not supported with --tensor-parallel yet")

@@ -162,15 +162,6 @@ class BlockTable:
     def truncate(self, seq: int, n_keep: int) -> None:
         self._release(self.tables[seq], blocks_for(n_keep, self.block_size))
 
-    def share(self, src: int, dst: int) -> None:
-        """dst holds src's blocks (its own go back first)."""
-        if src == dst:
-            return
-        self._release(self.tables[dst], 0)
-        self.tables[dst] = list(self.tables[src])
-        for b in self.tables[dst]:
-            self.refs[b] += 1
-
     def _take(self) -> int:
         if self._free:
             block = self._free.pop()
