@@ -44,3 +44,40 @@ def dense_attention(q: torch.Tensor, cache: PagedCache, positions: torch.Tensor,
                                            v.unsqueeze(0), scale=scale, enable_gqa=True)
         out[r] = o[0].transpose(0, 1)[0]
     return out
+
+
+@dataclass
+class TreeRows:
+    """A token tree's rows on sequence 0 (model/token_tree.py) and a plain row of sequence 1, with their dense
+    reference: each tree row sees the cache before the tree and its own ancestors only."""
+
+    positions: torch.Tensor
+    seq_ids: torch.Tensor
+    hidden: torch.Tensor
+    runs: list[tuple[int, int, int, int]]
+    expected: torch.Tensor  # [rows, n_heads, dim], fp32
+
+
+def tree_rows(cache: PagedCache, q: torch.Tensor, start: int, parents: list[int], plain_position: int,
+              scale: float) -> TreeRows:
+    """q's first len(parents) rows are the tree's nodes at positions start.. of sequence 0, its last row a plain
+    row of sequence 1."""
+    n = len(parents)
+    seen = []
+    for i, p in enumerate(parents):
+        seen.append((seen[p] if p >= 0 else set()) | {i})
+    hidden = [sum(1 << (i - j) for j in range(i) if j not in s) for i, s in enumerate(seen)] + [0]
+    positions = [start + i for i in range(n)] + [plain_position]
+    seq_ids = [0] * n + [1]
+    expected = torch.empty(q.shape, dtype=torch.float32)
+    for r in range(n + 1):
+        keys = list(range(start)) + [start + j for j in sorted(seen[r])] if r < n else list(range(plain_position + 1))
+        k = cache.dense_k[seq_ids[r], :, keys].float().cpu()
+        v = cache.dense_v[seq_ids[r], :, keys].float().cpu()
+        o = F.scaled_dot_product_attention(q[r:r + 1].float().cpu().transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                           v.unsqueeze(0), scale=scale, enable_gqa=True)
+        expected[r] = o[0].transpose(0, 1)[0]
+    device = q.device
+    return TreeRows(torch.tensor(positions, device=device), torch.tensor(seq_ids, device=device),
+                    torch.tensor(hidden, device=device), [(0, 0, n, start + n), (1, n, n + 1, plain_position + 1)],
+                    expected)

@@ -15,7 +15,7 @@ import torch
 from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
 from specserve.kernels.backend import kernels_for
 from specserve.kernels.cpu import build
-from tests.paged import dense_attention, paged_cache
+from tests.paged import dense_attention, paged_cache, tree_rows
 
 pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"),
                                 reason="needs a C compiler and AVX2 (+FMA, F16C) or AVX-512 VNNI")
@@ -71,6 +71,21 @@ def test_attention(dim: int, n_heads: int, n_kv: int) -> None:
     ref = attention.attention_ref(q, cache.k, cache.v, positions, cache.table, runs, dim**-0.5)
     assert _rel(ours, ref) < 1e-5
     assert _rel(ref, dense_attention(q, cache, positions, seq_ids, dim**-0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("start", [5, 200])
+def test_attention_of_token_tree_rows(start: int) -> None:
+    """A token tree's rows see the cache before the tree and their own branch only (C, and the torch reference)."""
+    gen = torch.Generator().manual_seed(start)
+    dim, n_heads, n_kv = 64, 9, 3
+    cache = paged_cache(2, n_kv, 300, dim, gen)
+    parents = [-1, 0, 1, 2, 1, 0, 5, 6, 0]
+    q = torch.randn(len(parents) + 1, n_heads, dim, generator=gen)
+    rows = tree_rows(cache, q, start, parents, 250, dim**-0.5)
+    ours = cpu_ops.attention(q, cache.k, cache.v, rows.positions, rows.seq_ids, cache.table, dim**-0.5, rows.hidden)
+    ref = attention.attention_ref(q, cache.k, cache.v, rows.positions, cache.table, rows.runs, dim**-0.5, rows.hidden)
+    assert _rel(ours, rows.expected) < 1e-5
+    assert _rel(ref, rows.expected) < 1e-5
 
 
 @pytest.mark.parametrize(("rows", "n"), [(1, 1536), (3, 100)])

@@ -18,7 +18,7 @@ from specserve.kernels import settings as kernel_settings
 from specserve.kernels.backend import kernels_for
 from specserve.kernels.settings import HAVE_TRITON
 from specserve.model.kv_cache import PagedKV
-from tests.paged import dense_attention, paged_cache
+from tests.paged import dense_attention, paged_cache, tree_rows
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET):
@@ -107,6 +107,21 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     scale = head_dim ** -0.5
     got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, scale)
     assert rel_err(got, dense_attention(q, cache, pos_t, seq_t, scale)) < TOL
+
+
+@pytest.mark.parametrize("start", [5, 3000])
+def test_attention_of_token_tree_rows(start: int) -> None:
+    """A token tree's rows see the cache before the tree and their own branch only, at any split layout."""
+    from specserve.kernels import attention_triton
+
+    n_heads, n_kv, head_dim = 12, 2, 128
+    cache = paged_cache(2, n_kv, 3100, head_dim, torch.Generator().manual_seed(start), 16, DTYPE, DEVICE)
+    parents = [-1, 0, 1, 2, 1, 0, 5, 6, 0]
+    q = torch.randn(len(parents) + 1, n_heads, head_dim, device=DEVICE).to(DTYPE)
+    rows = tree_rows(cache, q, start, parents, 2500, head_dim ** -0.5)
+    got = attention_triton.attention(q, cache.k, cache.v, rows.positions, rows.seq_ids, cache.table,
+                                     head_dim ** -0.5, rows.hidden)
+    assert rel_err(got.float().cpu(), rows.expected) < TOL
 
 
 def test_attention_follows_the_rows_context_not_the_tables_width() -> None:

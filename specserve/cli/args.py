@@ -68,6 +68,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=d.n_max)
     g.add_argument("--draft-min", "--draft-n-min", dest="draft_min", type=int, default=d.n_min)
     g.add_argument("--draft-p-min", type=float, default=d.p_min)
+    g.add_argument("--draft-tree", dest="draft_tree", type=int, default=d.tree_nodes, metavar="N",
+                   help="verify up to N nodes of a token tree merged from every drafter's candidate in one step "
+                        "(greedy requests; 0: the first drafter's chain, as llama.cpp)")
     g.add_argument("-md", "--model-draft", default=None, help="draft model: catalog name or GGUF path")
     g.add_argument("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k", dest="cache_type_k_draft", default=None,
                    choices=list(KV_FORMATS), metavar="TYPE", help="the draft model's KV keys (default: as -ctk)")
@@ -83,6 +86,7 @@ def spec_params_from_args(args: argparse.Namespace) -> SpecParams:
         ngram_size_n=args.spec_ngram_size_n, ngram_size_m=args.spec_ngram_size_m,
         ngram_check_rate=args.spec_ngram_check_rate, ngram_min_hits=args.spec_ngram_min_hits,
         lookup_cache_static=args.lookup_cache_static, lookup_cache_dynamic=args.lookup_cache_dynamic,
+        tree_nodes=args.draft_tree,
     ).validate()
 
 

@@ -91,6 +91,7 @@ class LocalRunner:
     of `kv_size` positions (default: n_seqs * n_ctx)."""
 
     adapters: AdapterScales | None  # LoRA adapters' scales per sequence (None: no adapters loaded)
+    token_trees = True
 
     def __init__(
         self,
@@ -217,9 +218,10 @@ class LocalRunner:
         self.kv.copy_blocks(admitted.copies)
         parity = self._launches % 2
         self._launches += 1
-        step = self.graphs.launch(batch, admitted.slots, fed, parity) if self.graphs is not None else None
-        if step is None:  # no graph takes a batch of this shape
-            step = self._launch_eager(batch, admitted.runs, admitted.slots, fed, parity)
+        tree = batch.tree_layout()
+        step = self.graphs.launch(batch, admitted.slots, fed, parity) if self.graphs is not None and not tree else None
+        if step is None:  # no graph takes a batch of this shape (nor a token tree)
+            step = self._launch_eager(batch, admitted.runs, admitted.slots, fed, parity, tree)
         return step
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -233,7 +235,8 @@ class LocalRunner:
         return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv.step(slots))
 
     def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], slots: list[int],
-                      fed: Sequence[int] | None, parity: int) -> LaunchedStep:
+                      fed: Sequence[int] | None, parity: int,
+                      tree: tuple[list[int], list[int]] | None = None) -> LaunchedStep:
         dev = self.device
 
         def on_device(values: Sequence[int]) -> torch.Tensor:
@@ -245,8 +248,9 @@ class LocalRunner:
             tokens = on_device(batch.tokens)
             if fed is not None:
                 tokens = feed_tokens(tokens, on_device(fed), self._ring[1 - parity])
+            tree_rows = (on_device(tree[0]), on_device(tree[1])) if tree is not None else None
             logits = self.model.forward(tokens, on_device(batch.positions), on_device(batch.seq_ids), rows, runs,
-                                        self.kv.step(on_device(slots)))
+                                        self.kv.step(on_device(slots), tree_rows))
             argmax = self.kernels.argmax(logits)
             self._ring[parity].index_copy_(0, rows, argmax)
         return LaunchedStep(logits, argmax, len(wanted))
@@ -254,6 +258,15 @@ class LocalRunner:
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
         self.ledger.truncate(seq, n_keep)
+
+    def kv_compact(self, seq: int, start: int, path: Sequence[int]) -> None:
+        """A token tree written at positions start.. of the sequence: keep its accepted path's nodes (offsets from
+        start, the root first) as positions start.., and drop the rest (model/token_tree.py)."""
+        moves = [(node, i) for i, node in enumerate(path) if node != i]
+        if moves:
+            slots = self.ledger.blocks.slots(seq, start, start + max(path) + 1)
+            self.kv.move_rows([slots[a] for a, _ in moves], [slots[b] for _, b in moves])
+        self.ledger.truncate(seq, start + len(path))
 
     def kv_cache(self, seq: int, names: Sequence[int]) -> None:
         """Name the sequence's full blocks by content (kv_blocks.content_hashes of its tokens) for kv_attach."""

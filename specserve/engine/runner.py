@@ -40,6 +40,7 @@ class Runner(Protocol):
     device: torch.device
     dtype: torch.dtype  # the model's activations (and float weights)
     weight_format: str  # how its matrices are held (model.weights.WEIGHT_FORMATS, resolved)
+    token_trees: bool  # whether a batch may hold branching token trees (Batch.add_tree) and kv_compact works
 
     @property
     def vocab_size(self) -> int: ...
@@ -72,6 +73,11 @@ class Runner(Protocol):
 
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         """Keep the first n_keep positions of a sequence (drops rejected draft tokens)."""
+        ...
+
+    def kv_compact(self, seq: int, start: int, path: Sequence[int]) -> None:
+        """After a token tree written at positions start.. of the sequence: its accepted path's nodes (offsets
+        from start, the root first) become positions start.., and the sequence ends after them."""
         ...
 
     def kv_cache(self, seq: int, names: Sequence[int]) -> None:

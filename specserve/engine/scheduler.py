@@ -300,6 +300,8 @@ class Scheduler:
                 continue
             if not e.slot.greedy_only or e.n_rows != 1 and not e.prompt and not self.drafting.chained:
                 return False
+            if e.tree is not None:  # (no one path through it for the next step to continue)
+                return False
         return True
 
     def _launch(self, plan: Plan) -> InFlight | None:

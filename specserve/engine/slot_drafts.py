@@ -11,7 +11,8 @@ from dataclasses import replace
 from specserve.engine.draft_gate import DRAFT_ROWS, MAX_DRAFTING_SLOTS, SURPLUS_RECOVERY, DraftGate, draft_cap
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
-from specserve.speculative.base import Chain, SpecParams, draft_chains
+from specserve.model.token_tree import TokenTree
+from specserve.speculative.base import Chain, SpecParams, Speculator, draft_candidates
 from specserve.speculative.prediction import PredictionDrafter
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,15 @@ class DraftPolicy:
         slot.chain_key = None
         slot.spec_seen.pop(PredictionDrafter.name, None)  # a new drafter: its counts start from zero
 
-    def drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | None]:
-        """The drafts of a step's slots, by slot id, all asked at once (`draft_chains`: the draft model drafts
+    def drafts(self, asks: list[tuple[Slot, int, int]]) -> dict[int, list[int] | TokenTree | None]:
+        """The drafts of a step's slots, by slot id, all asked at once (`draft_candidates`: the draft model drafts
         for them together). An ask is (slot, tokens decoded when the step lands, ahead: positions already taken
-        past the slot's last token, the fed one, which a draft's first token stands for). None: drafting raised
-        and the slot's task has failed; a slot left out has no draft."""
+        past the slot's last token, the fed one, which a draft's first token stands for). A slot whose task asks
+        for token trees gets every member's draft merged into one (`_draft`). None: drafting raised and the slot's
+        task has failed; a slot left out has no draft."""
         wanted = []
-        drafts: dict[int, list[int] | None] = {}
+        trees: list[int] = []  # per wanted ask: the most nodes of its token tree (0: a chain)
+        drafts: dict[int, list[int] | TokenTree | None] = {}
         asks = [ask for ask in asks if ask[0].use_chain]
         # Chained drafts share DRAFT_ROWS rows a step (with hundreds of slots a floor per slot would crowd out
         # the prompt chunks); which slots get them rotates from step to step.
@@ -94,17 +97,35 @@ class DraftPolicy:
                 budget -= limit - ahead if limit is not None else 0
             if limit is not None and slot.chain is not None:
                 wanted.append((slot, (slot.chain, slot.cache, slot.last, limit, slot.task.spec.n_min + ahead)))
+                trees.append(self._tree_nodes(slot, ahead))
         try:
-            for (slot, _), draft in zip(wanted, draft_chains([ask for _, ask in wanted]), strict=True):
-                drafts[slot.id] = draft
+            found = draft_candidates([ask for _, ask in wanted], [n > 0 for n in trees])
+            for (slot, _), candidates, nodes in zip(wanted, found, trees, strict=True):
+                drafts[slot.id] = self._draft(slot, candidates, nodes)
         except Exception:  # which slot's speculator raised: ask each alone
-            for slot, ask in wanted:
+            for (slot, ask), nodes in zip(wanted, trees, strict=True):
                 try:
-                    drafts[slot.id] = draft_chains([ask])[0]
+                    drafts[slot.id] = self._draft(slot, draft_candidates([ask], [nodes > 0])[0], nodes)
                 except Exception as exc:
                     self.failed(slot, exc)
                     drafts[slot.id] = None
         return drafts
+
+    def _tree_nodes(self, slot: Slot, ahead: int) -> int:
+        """The most nodes of the slot's token tree this step (each candidate is as long as a chain's draft may be);
+        0: it drafts a chain (sampled tasks, fed rows, chained drafts, runners without trees)."""
+        nodes = slot.task.spec.tree_nodes
+        if not nodes or ahead or self.chained or not slot.greedy_only or not self.runner.token_trees:
+            return 0
+        return min(nodes, self.n_ctx - len(slot.cache))  # (node i is written at position len(cache) + i)
+
+    @staticmethod
+    def _draft(slot: Slot, candidates: list[tuple[Speculator, list[int]]], nodes: int) -> list[int] | TokenTree:
+        """The first candidate, or with `nodes`, the candidates' tree (a chain where they share one path)."""
+        if not nodes or len(candidates) < 2:
+            return candidates[0][1] if candidates else []
+        tree = TokenTree.merge(slot.last, [tokens for _, tokens in candidates], nodes)
+        return list(tree.tokens[1:]) if tree.is_chain else tree
 
     def _draft_limit(self, slot: Slot, history: list[int], n_decoded: int, ahead: int) -> int | None:
         """The most tokens a draft after the slot's last token (at position len(history)) may hold; None where

@@ -21,6 +21,7 @@ from specserve.engine.step_plan import Entry, InFlight
 from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,10 @@ class Settler:
             slot.replay = []
 
     def _after_decode(self, e: Entry, picked: list[int] | None, rows: torch.Tensor | None) -> None:
+        if e.tree is not None:
+            assert picked is not None  # (trees are drafted for greedy tasks only)
+            self._after_tree(e, e.tree, picked)
+            return
         slot = e.slot
         first = slot.last  # what row 0 evaluated (a fed row: the token the step before gave)
         guessed = e.guess is not None and first == e.guess
@@ -151,7 +156,10 @@ class Settler:
             # A guess at the token in flight counts as drafted (and accepted when right), as the speculator's
             # own statistics and /metrics count it; it saves no step, so tokens = steps + accepted - right guesses.
             verified = len(out) - 1 if e.guess is None or guessed else 0
-            slot.chain.accept(verified + int(guessed))
+            if slot.chain.tree:  # candidates of a tree that came out as one path
+                slot.chain.accept_path(out[:verified])
+            else:
+                slot.chain.accept(verified + int(guessed))
             drafted, accepted = len(e.draft) + int(e.guess is not None), verified + int(guessed)
             slot.draft_n += drafted
             slot.draft_accepted += accepted
@@ -168,6 +176,26 @@ class Settler:
             self.runner.kv_truncate(slot.id, len(slot.cache))  # after this one wrote past them)
         slot.last = out[-1]
         self._emit_tokens(slot, out, rows)
+
+    def _after_tree(self, e: Entry, tree: TokenTree, picked: list[int]) -> None:
+        """A token tree's verdict: the path the target's own choices take through it; its K/V kept, the rest of
+        the tree's dropped."""
+        slot = e.slot
+        path, out = tree.walk(picked)
+        assert slot.chain is not None
+        slot.chain.accept_path(out[:-1])
+        drafted, accepted = len(tree) - 1, len(path) - 1
+        slot.draft_n += drafted
+        slot.draft_accepted += accepted
+        slot.draft_room = next_room(slot.draft_room, max(tree.depths()), accepted, slot.task.spec.n_max,
+                                    self._halve_room)
+        self._count_drafts(slot, drafted, accepted)
+        slot.n_steps += 1
+        slot.cache.append(slot.last)
+        slot.cache.extend(out[:-1])
+        self.runner.kv_compact(slot.id, e.position, path)
+        slot.last = out[-1]
+        self._emit_tokens(slot, out, None)
 
     def _count_drafts(self, slot: Slot, drafted: int, accepted: int) -> None:
         """Count one verified draft, and move the chain members' new draft counts into the per-type counters."""

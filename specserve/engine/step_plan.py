@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from specserve.engine.runner import Step
 from specserve.engine.slots import Slot
 from specserve.model.batch import Batch
+from specserve.model.token_tree import TokenTree
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class Entry:
     draft: list[int] = field(default_factory=list)  # decode: the tokens of rows 1.., checked by rows 0..
     guess: int | None = None  # decode, fed with a draft: what the speculator took row 0's token to be
     position: int = 0  # decode: the position of row 0, where the slot's cache ends when the entry is right
+    tree: TokenTree | None = None  # decode: rows that are a token tree's nodes (draft: its tokens after the root)
 
     def current(self) -> bool:
         """Whether its slot still runs the same task from where the entry was planned: a decode entry fed from a
@@ -76,6 +78,15 @@ class Plan:
         else:
             self.batch.add_row(first, position, slot.id, True)
         self._add(entry, fed_row)
+
+    def add_tree(self, slot: Slot, position: int, tree: TokenTree) -> None:
+        """A token tree's nodes at position.. (the root is slot.last, from the host; never fed: such a step is
+        settled before the next is planned)."""
+        assert slot.handle is not None
+        entry = Entry(slot, slot.handle.task.id, len(self.batch), len(tree), self.n_logits, False, False, False,
+                      list(tree.tokens[1:]), None, position, tree)
+        self.batch.add_tree(tree, position, slot.id)
+        self._add(entry, -1)
 
     def add_prompt(self, slot: Slot, chunk: list[int], start: int, final: bool, replay: bool = False) -> None:
         entry = Entry(slot, slot.task.id, len(self.batch), len(chunk), self.n_logits, prompt=True, final=final,

@@ -13,6 +13,7 @@ from specserve.engine.runner import Runner
 from specserve.engine.slot_drafts import DraftPolicy
 from specserve.engine.slots import GENERATING, READING, Slot
 from specserve.engine.step_plan import Entry, Plan
+from specserve.model.token_tree import TokenTree
 
 
 class StepPlanner:
@@ -58,7 +59,7 @@ class StepPlanner:
         plan = Plan()
         # Every draft of the step asked at once: e continues slot.last, one position past it taken by e's argmax.
         # A slot whose step in flight carries a draft drafts again only once that draft is verified.
-        drafts: dict[int, list[int] | None] = {}
+        drafts: dict[int, list[int] | TokenTree | None] = {}
         if self.drafting.allowed:
             drafts = self.drafting.drafts([(e.slot, e.slot.n_decoded + 1, 1) for e in fed
                                    if not e.prompt and e.n_rows == 1] + [(s, s.n_decoded, 0) for s in decoding])
@@ -75,15 +76,17 @@ class StepPlanner:
             return None  # every reading slot waits for room that only a running one can give: plan again
         return plan
 
-    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | None, room: KVRoom) -> None:
-        """[last, *draft] from the host's tokens (draft None: drafting failed the slot's task); the draft cut to
-        the pool's room (the first row's blocks are taken already)."""
-        if draft is not None:
-            position = len(slot.cache)
+    def _plan_decode(self, plan: Plan, slot: Slot, draft: list[int] | TokenTree | None, room: KVRoom) -> None:
+        """[last, *draft] from the host's tokens, or a token tree rooted at last (draft None: drafting failed the
+        slot's task); the draft cut to the pool's room (the first row's blocks are taken already)."""
+        position = len(slot.cache)
+        if isinstance(draft, TokenTree):
+            plan.add_tree(slot, position, draft.cut(room.grow(slot.id, position, 1, len(draft))))
+        elif draft is not None:
             draft = draft[:room.grow(slot.id, position, 1, 1 + len(draft)) - 1]
             plan.add_decode(slot, position, slot.last, draft)
 
-    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | None, room: KVRoom) -> None:
+    def _plan_fed(self, plan: Plan, e: Entry, draft: list[int] | TokenTree | None, room: KVRoom) -> None:
         """Rows continuing e's slot from e's argmax: [that token, *draft[1:]], draft[0] a guess at it (the draft
         continues slot.last; None: drafting failed the slot's task)."""
         slot = e.slot
@@ -91,6 +94,7 @@ class StepPlanner:
         if e.prompt or e.n_rows > 1:  # the first generated token comes from the prompt's last logit row
             plan.add_decode(slot, position, 0, [], fed_row=e.last_logit_row)
         elif draft is not None:
+            assert not isinstance(draft, TokenTree)  # (a fed slot's draft continues a token not yet known)
             guess, rest = (draft[0], draft[1:]) if draft else (None, [])
             rest = rest[:room.grow(slot.id, position, 1, 1 + len(rest)) - 1]
             plan.add_decode(slot, position, 0, rest, fed_row=e.last_logit_row, guess=guess)

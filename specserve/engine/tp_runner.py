@@ -74,6 +74,8 @@ class TensorParallelRunner(ShardRunner):
     """Rank 0: a ShardRunner whose state-changing calls are first sent to the followers. (memory_info and
     `weights` are rank 0's shard; each other rank holds about as much.)"""
 
+    token_trees = False  # (the followers are sent rows, not trees)
+
     def __init__(self, gguf: GGUFFile, group: RankGroup, *, n_seqs: int, n_ctx: int, dtype: torch.dtype,
                  progress: bool = False, kv_size: int | None = None, weight_format: str = "float"):
         super().__init__(gguf, group, n_seqs=n_seqs, n_ctx=n_ctx, dtype=dtype, progress=progress, kv_size=kv_size,
@@ -94,6 +96,9 @@ class TensorParallelRunner(ShardRunner):
                 return super().launch(batch, fed, logits)
             except Exception as exc:
                 raise self._fail(exc) from exc
+
+    def kv_compact(self, seq: int, start: int, path: Sequence[int]) -> None:
+        raise NotSupported("token trees are not verified across tensor-parallel ranks")
 
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         with self._lock:

@@ -53,15 +53,18 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
                        stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
                        stride_t, KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GRID_SPLITS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr,
-                       V_BITS: tl.constexpr):
+                       V_BITS: tl.constexpr, TREE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
+    hidden = 0
+    if TREE:  # bit j: position pos - j is another branch's (a token tree)
+        hidden = tl.load(hid_ptr + row)
     tiles = tl.cdiv(pos + 1, N_SPLITS * BLOCK)  # this row's split length in key tiles
     seq = tl.load(seq_ptr + row)
     g = tl.arange(0, GROUP_PAD)
@@ -82,6 +85,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o
         for i in range(0, tl.minimum(tiles, tl.cdiv(pos + 1 - start, BLOCK))):
             n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= pos
+            if TREE:
+                back = pos - n
+                n_mask &= (back > 63) | ((hidden >> tl.minimum(tl.maximum(back, 0), 63)) & 1 == 0)
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
             k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
             k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
@@ -127,9 +133,11 @@ def splits_in_grid(programs: int) -> int:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
+              seq_ids: torch.Tensor, table: torch.Tensor, scale: float, hidden: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """q [N, H, D]; caches [n_blocks, Hkv, block_size, row] (one layer: rows of D values, or packed rows),
-    table int32 [seqs, blocks a sequence] -> out [N, H, D]."""
+    table int32 [seqs, blocks a sequence] -> out [N, H, D]. hidden: int64 [N], token trees' rows (bit j hides
+    position - j from the row, attention.attention_ref)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -143,11 +151,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
     _attn_split_kernel[(n_rows, n_kv, grid_splits)](
-        q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, scale,
+        q, k_cache, v_cache, seq_ids, positions, positions if hidden is None else hidden, table, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), KV_BLOCK=block_size, N_SPLITS=n_splits, GRID_SPLITS=grid_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
-        K_ROW=k_cache.shape[3], V_ROW=v_cache.shape[3], K_BITS=k_bits, V_BITS=v_bits, num_warps=4, num_stages=2,
+        K_ROW=k_cache.shape[3], V_ROW=v_cache.shape[3], K_BITS=k_bits, V_BITS=v_bits, TREE=hidden is not None,
+        num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
                                            SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,

@@ -48,10 +48,11 @@ class CpuKernels(TorchKernels):
         return super().rope_write(q, k, v, cos_table, sin_table, positions, slots, k_cache, v_cache, style)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         if cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids, table):
-            return cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, table, scale)
-        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale)
+            return cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden)
+        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

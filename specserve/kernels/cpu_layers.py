@@ -41,8 +41,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [*((name, _ptr) for name in ("positions", "seq_ids", "slots", "table", "cos", "sin", "residual",
-                                           "pending", "scratch")),
+    _fields_ = [*((name, _ptr) for name in ("positions", "rope_positions", "hidden_keys", "seq_ids", "slots", "table",
+                                           "cos", "sin", "residual", "pending", "scratch")),
                 *((name, _i32) for name in ("n_layers", "rows", "hidden", "n_heads", "n_kv_heads", "dim", "half",
                                             "neox", "block_shift", "table_width", "threads")),
                 ("eps", _f32), ("scale", _f32)]
@@ -117,8 +117,9 @@ class WholeLayers:
 
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor,
                  caches: Sequence[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
-                 table: torch.Tensor) -> bool:
-        """All layers on the stream (its residual replaced, the last output left pending), or False untouched."""
+                 table: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """All layers on the stream (its residual replaced, the last output left pending), or False untouched.
+        tree: a token tree step's rotary positions and hidden bits (KVStep.rope_positions, KVStep.hidden)."""
         x = stream.residual
         if (stream.pending is not None or stream.adapter_scales is not None or not settings().cpu_layers
                 or quant_cpu.exact() or not _fp32(x) or x.shape[0] == 0
@@ -128,7 +129,9 @@ class WholeLayers:
             return False
         residual, pending = x.clone(), torch.empty_like(x)
         rows, block_size = x.shape[0], caches[0][0].shape[2]
-        step = _Step(positions.data_ptr(), seq_ids.data_ptr(), slots.data_ptr(), table.data_ptr(),
+        rope, hidden = tree if tree is not None else (positions, None)
+        step = _Step(positions.data_ptr(), rope.data_ptr(), None if hidden is None else hidden.data_ptr(),
+                     seq_ids.data_ptr(), slots.data_ptr(), table.data_ptr(),
                      self.cos.data_ptr(), self.sin.data_ptr(), residual.data_ptr(), pending.data_ptr(), None,
                      len(self.layers), rows, x.shape[1], self.n_heads, self.n_kv_heads, self.dim,
                      self.cos.shape[-1], self.layers[0][0].style == "neox", block_size.bit_length() - 1,

@@ -116,15 +116,17 @@ def attention_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
+              seq_ids: torch.Tensor, table: torch.Tensor, scale: float, hidden: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """attention.attention_ref in one call (`attention_takes` first): row t attends to its sequence's
-    positions 0..positions[t], found through its row of the block table."""
+    positions 0..positions[t], found through its row of the block table (less those `hidden` hides: int64,
+    contiguous, a token tree's rows)."""
     q = q.contiguous()
     tokens, n_heads, dim = q.shape
     out = torch.empty_like(q)
     if _lib().cpu_attention(q.data_ptr(), tokens, n_heads, k_cache.shape[1], dim, *cache_args(k_cache, dim),
                              *cache_args(v_cache, dim), positions.data_ptr(), seq_ids.data_ptr(),
-                             table.data_ptr(), table.shape[1],
+                             table.data_ptr(), None if hidden is None else hidden.data_ptr(), table.shape[1],
                              k_cache.shape[2].bit_length() - 1, scale, out.data_ptr(),
                              torch.get_num_threads()):
         raise MemoryError("CPU attention could not allocate its scores")

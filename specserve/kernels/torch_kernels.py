@@ -85,10 +85,11 @@ class TorchKernels:
         store_rows(cache, torch.div(slots, size, rounding_mode="floor"), slots % size, rows)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         """attention.attention_ref (the kernels read each row's sequence and position on the device instead of
-        `runs`)."""
-        return attention_ref(q, k_cache, v_cache, positions, table, runs, scale)
+        `runs`). hidden: a token tree's rows (KVStep.hidden)."""
+        return attention_ref(q, k_cache, v_cache, positions, table, runs, scale, hidden)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

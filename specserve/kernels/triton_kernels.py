@@ -79,12 +79,13 @@ class TritonKernels(TorchKernels):
             super().store_rows(rows, slots, cache)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+                  seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel reads (sequence, position) per row on the device and ignores `runs`, so its launch does not
         depend on the batch's layout on the host (graph-capturable)."""
         if q.shape[-1] in ATTENTION_HEAD_DIMS:
-            return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale)
-        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale)
+            return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden)
+        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.model.token_tree import TokenTree
+
 
 @dataclass
 class Batch:
@@ -23,6 +25,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self._runs: list[tuple[int, int, int, int]] | None = None if self.tokens else []
+        self.trees: list[tuple[int, TokenTree]] = []  # (first row, tree) of each token tree (add_tree)
 
     @property
     def gapless(self) -> bool:
@@ -68,6 +71,24 @@ class Batch:
         self.want_logits.extend([logits == "all"] * n)
         if logits == "last" and n:
             self.want_logits[-1] = True
+
+    def add_tree(self, tree: TokenTree, start_pos: int, seq: int) -> None:
+        """A token tree's nodes, written at positions start_pos.. of the sequence, each wanting its logits
+        (model/token_tree.py)."""
+        self.trees.append((len(self.tokens), tree))
+        self.add_sequence(list(tree.tokens), start_pos, seq, "all")
+
+    def tree_layout(self) -> tuple[list[int], list[int]] | None:
+        """Per row, how far its rotary position lies before its cache position, and the tree rows it must not
+        see (TokenTree.hidden_bits); None where the batch holds no branching tree."""
+        trees = [(first, tree) for first, tree in self.trees if not tree.is_chain]
+        if not trees:
+            return None
+        offsets, hidden = [0] * len(self.tokens), [0] * len(self.tokens)
+        for first, tree in trees:
+            for i, (depth, bits) in enumerate(zip(tree.depths(), tree.hidden_bits(), strict=True)):
+                offsets[first + i], hidden[first + i] = i - depth, bits - (bits >> 63 << 64)  # (as an int64)
+        return offsets, hidden
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -59,8 +59,9 @@ class AttentionBlock:
     def __call__(self, stream: ResidualStream, positions: torch.Tensor, seq_ids: torch.Tensor, runs: Runs,
                  kv: KVStep) -> None:
         k_cache, v_cache = kv.layers[self.layer_idx]
-        q = self.qkv(stream, positions, kv.slots, k_cache, v_cache)
-        attn = stream.kernels.attention(q, k_cache, v_cache, positions, seq_ids, kv.table, runs, self.scale)
+        q = self.qkv(stream, kv.rope_positions(positions), kv.slots, k_cache, v_cache)
+        attn = stream.kernels.attention(q, k_cache, v_cache, positions, seq_ids, kv.table, runs, self.scale,
+                                        kv.hidden)
         self.out(stream, attn.view(q.shape[0], self.q_size))
 
 

@@ -33,9 +33,13 @@ class LedgerOnlyKV:
     ledger's own."""
 
     ledger: KVLedger
+    token_trees = False
 
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         self.ledger.truncate(seq, n_keep)
+
+    def kv_compact(self, seq: int, start: int, path: Sequence[int]) -> None:
+        self.ledger.truncate(seq, start + len(path))
 
     def kv_cache(self, seq: int, names: Sequence[int]) -> None:
         self.ledger.cache(seq, names)

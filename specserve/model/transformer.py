@@ -69,8 +69,9 @@ class Transformer:
         stream = self.input_stream(tokens)
         if self.adapter_scales is not None and self.adapter_scales.in_use:
             stream.adapter_scales = self.adapter_scales.table[seq_ids]
+        tree = (kv.rope_positions(positions), kv.hidden) if kv.hidden is not None else None
         if self.whole_layers is None or not self.whole_layers(stream, positions, seq_ids, kv.layers, kv.slots,
-                                                              kv.table):
+                                                              kv.table, tree):
             for layer in self.layers:
                 layer(stream, positions, seq_ids, runs, kv)
         stream.keep_rows(logit_rows)

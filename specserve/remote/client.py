@@ -75,6 +75,8 @@ class RemoteStep:
 class RemoteRunner:
     """Runs `model` (a catalog name or a path on the host) on the host at `address`."""
 
+    token_trees = False  # (protocol 3.0 sends rows, not trees)
+
     def __init__(self, address: str, model: str, *, n_seqs: int = 1, n_ctx: int | None = None,
                  kv_size: int | None = None, weight_format: str = "auto", device: str | None = None,
                  token: str | None = None, timeout: float = STEP_TIMEOUT):
@@ -240,6 +242,9 @@ class RemoteRunner:
     def kv_truncate(self, seq: int, n_keep: int) -> None:
         self.ledger.truncate(seq, n_keep)
         self._acks.add(self._send("kv_truncate", seq=seq, n_keep=n_keep))  # acknowledged with the next reply
+
+    def kv_compact(self, seq: int, start: int, path: Sequence[int]) -> None:
+        raise NotSupported("token trees are not verified through a remote host")
 
     def kv_cache(self, seq: int, names: Sequence[int]) -> None:
         self.ledger.cache(seq, names)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specserve.engine.constraints import GrammarSource
 from specserve.errors import SpecserveError
+from specserve.model.token_tree import MAX_TREE_NODES
 from specserve.server.prompts import LogitBiasInput, PromptInput, PromptPart
 from specserve.server.tool_grammar import validate_tools
 
@@ -27,6 +28,7 @@ SPEC_FIELDS = {  # request key -> SpecParams field
     "speculative.ngram_c_rate": "ngram_check_rate",
     "speculative.ngram_m_hits": "ngram_min_hits",
     "speculative.scope": "scope",
+    "speculative.tree_nodes": "tree_nodes",
 }
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
                    "presence_penalty", "frequency_penalty", "seed")
@@ -122,6 +124,8 @@ class GenerationFields(StrictModel):
     spec_ngram_m_hits: int | None = Field(None, alias="speculative.ngram_m_hits")
     # whose earlier requests ngram-suffix may draft from, within the API key's (shared_suffix.py)
     spec_scope: str | None = Field(None, alias="speculative.scope", max_length=256)
+    # a token tree of this many nodes from every drafter's candidate, verified in one step (0: chains)
+    spec_tree_nodes: int | None = Field(None, alias="speculative.tree_nodes", ge=0, le=MAX_TREE_NODES)
     # Constrained output (engine/constraints.py): at most one of these; "" grammar = none, as llama-server.
     grammar: str | None = None  # llama.cpp GBNF
     json_schema: dict[str, Any] | None = None

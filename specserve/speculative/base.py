@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 from specserve.errors import SpecserveError
+from specserve.model.batch import common_prefix
+from specserve.model.token_tree import MAX_TREE_NODES
 from specserve.speculative.ngram_index import HistoryIndex
 
 SPEC_TYPES = ("none", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "ngram-suffix")
@@ -32,6 +34,9 @@ class SpecParams:
     # Whose earlier requests shared-suffix drafts from (shared_suffix.py): the server's name for the request's
     # API key and the client's `speculative.scope`; "" with the shared store off.
     scope: str = ""
+    # The most nodes of a token tree (model/token_tree.py) merged from every member's draft, verified in one step
+    # (greedy tasks on runners that take trees); 0: the first member's draft alone, as llama.cpp's chains.
+    tree_nodes: int = 0
 
     def validate(self) -> SpecParams:
         """Raise SpecserveError naming the first out-of-range option; return self."""
@@ -46,6 +51,7 @@ class SpecParams:
             ("ngram_min_hits", 1, None),
             ("n_max", 0, None),
             ("n_min", 0, None),
+            ("tree_nodes", 0, MAX_TREE_NODES),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -170,6 +176,7 @@ class Chain:
     def __init__(self, members: list[Speculator]):
         self.members = members
         self._last: Speculator | None = None
+        self.tree: list[tuple[Speculator, list[int]]] = []  # the candidates of the last token tree drafted
 
     def begin(self, prompt: list[int]) -> None:
         for m in self.members:
@@ -185,6 +192,13 @@ class Chain:
     def accept(self, n_accepted: int) -> None:
         if self._last is not None:
             self._last.accept(n_accepted)
+
+    def accept_path(self, accepted: list[int]) -> None:
+        """A token tree's verdict: the draft tokens accepted; each candidate's member learns how many of its own
+        tokens that is."""
+        for member, tokens in self.tree:
+            member.accept(common_prefix(tokens, accepted))
+        self.tree = []
 
     def end(self) -> None:
         for m in self.members:
@@ -208,12 +222,27 @@ DraftAsk = tuple[Chain, list[int], int, int, int]  # (chain, history, last sampl
 
 
 def draft_chains(asks: list[DraftAsk]) -> list[list[int]]:
-    """Each ask's draft, as its chain's members in order give it: the first non-empty one wins. Members of a type
-    with `propose_together` propose for all the asks that reach them in one call (the draft model drafts for every
-    slot of a step in shared forwards, one per draft token)."""
-    drafts: list[list[int]] = [[] for _ in asks]
+    """Each ask's draft, as its chain's members in order give it: the first non-empty one wins."""
+    return [candidates[0][1] if candidates else [] for candidates in draft_candidates(asks, [False] * len(asks))]
+
+
+def draft_candidates(asks: list[DraftAsk], every: list[bool]) -> list[list[tuple[Speculator, list[int]]]]:
+    """Each ask's non-empty drafts and the members that gave them, in the chain's order: every member's where
+    `every[i]` (the candidates of a token tree; the chain's `tree` records them for `accept_path`), else only the
+    first that drafts (the chain's draft). Members of a type with `propose_together` propose for all the asks that
+    reach them in one call (the draft model drafts for every slot of a step in shared forwards, one per draft
+    token)."""
+    found: list[list[tuple[Speculator, list[int]]]] = [[] for _ in asks]
     position = [0] * len(asks)  # the member each ask tries next
     pending = list(range(len(asks)))
+
+    def keep(i: int, member: Speculator, tokens: list[int]) -> None:
+        if tokens:
+            found[i].append((member, tokens))
+            asks[i][0]._last = member if len(found[i]) == 1 else asks[i][0]._last
+            if not every[i]:
+                position[i] = len(asks[i][0].members)
+
     while pending:
         together: dict[ProposeTogether, list[int]] = {}
         for i in pending:
@@ -227,19 +256,17 @@ def draft_chains(asks: list[DraftAsk]) -> list[list[int]]:
                     together.setdefault(propose_together, []).append(i)
                     break
                 position[i] += 1
-                tokens = m.draft(history, last, n_max, n_min)
-                if tokens:
-                    chain._last, drafts[i], position[i] = m, tokens, len(chain.members)
+                keep(i, m, m.draft(history, last, n_max, n_min))
         pending = []
         for propose, ids in together.items():
             members = [asks[i][0].members[position[i]] for i in ids]
             proposals = propose([(m, asks[i][1], asks[i][2], asks[i][3]) for m, i in zip(members, ids, strict=True)])
             for m, i, proposal in zip(members, ids, proposals, strict=True):
-                chain, n_max, n_min = asks[i][0], asks[i][3], asks[i][4]
+                n_max, n_min = asks[i][3], asks[i][4]
                 position[i] += 1
-                tokens = m.take(proposal, n_max, n_min)
-                if tokens:
-                    chain._last, drafts[i], position[i] = m, tokens, len(chain.members)
-                elif position[i] < len(chain.members):
+                keep(i, m, m.take(proposal, n_max, n_min))
+                if position[i] < len(asks[i][0].members):
                     pending.append(i)  # the members after it, in order
-    return drafts
+    for (chain, *_), candidates, all_of_them in zip(asks, found, every, strict=True):
+        chain.tree = candidates if all_of_them else []
+    return found

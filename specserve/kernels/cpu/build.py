@@ -108,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cpu_rope_cache": (None, [ptr] * 3 + [i64] + [i32] * 5 + [ptr] * 4 + [ptr, i64, i64, i32] * 2
                            + [i32, i32, ptr]),
         "cpu_attention": (i32, [ptr, i32, i32, i32, i32] + [ptr, i64, i64, i32] * 2
-                          + [ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
+                          + [ptr, ptr, ptr, ptr, i32, i32, f32, ptr, i32]),
         "cpu_silu_mul": (None, [ptr, ptr, i32, i32]),
         "cpu_argmax": (None, [ptr, i32, i32, ptr]),
         "cpu_layers": (i32, [ptr, ptr]),

@@ -22,7 +22,7 @@ void cpu_rope_cache(const float* q, const float* k, const float* v, int64_t row_
 int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, void* k_data, int64_t k_block_stride,
                   int64_t k_head_stride, int k_bits, void* v_data, int64_t v_block_stride, int64_t v_head_stride,
                   int v_bits, const int64_t* positions, const int64_t* seq_ids, const int32_t* table,
-                  int table_width, int block_shift, float scale, float* out, int threads);
+                  const int64_t* hidden, int table_width, int block_shift, float scale, float* out, int threads);
 void cpu_silu_mul(const float* x, float* out, int rows, int n);
 
 #define MAX_ROWS 16  // rows one int8 product call takes (quant_cpu.MAX_ROWS)
@@ -51,6 +51,8 @@ typedef struct {
 // pending [rows, hidden] receives the last sub-layer's output, not yet added (the op-by-op path's stream state).
 typedef struct {
     const int64_t* positions;
+    const int64_t* rope_positions;  // where RoPE puts each row: positions, or less for a token tree's rows
+    const int64_t* hidden_keys;  // NULL, or a token tree's rows' hidden positions (cpu_attention's `hidden`)
     const int64_t* seq_ids;
     const int64_t* slots;
     const int32_t* table;
@@ -102,12 +104,12 @@ int cpu_layers(const cpu_layer* layers, const cpu_step* s) {
             for (int r = 0; r < rows; ++r)
                 for (int j = 0; j < l->qkv.n; ++j) qkv[(int64_t)r * l->qkv.n + j] += l->qkv_bias[j];
         cpu_rope_cache(qkv, qkv + attn_width, qkv + attn_width + kv_width, rows > 1 ? l->qkv.n : 0, rows,
-                       s->n_heads, s->n_kv_heads, s->dim, s->half, s->cos, s->sin, s->positions, s->slots,
+                       s->n_heads, s->n_kv_heads, s->dim, s->half, s->cos, s->sin, s->rope_positions, s->slots,
                        l->k_data, l->k_block_stride, l->k_head_stride, l->k_bits, l->v_data, l->v_block_stride,
                        l->v_head_stride, l->v_bits, s->block_shift, s->neox, q_rot);
         if (cpu_attention(q_rot, rows, s->n_heads, s->n_kv_heads, s->dim, l->k_data, l->k_block_stride,
                           l->k_head_stride, l->k_bits, l->v_data, l->v_block_stride, l->v_head_stride, l->v_bits,
-                          s->positions, s->seq_ids, s->table, s->table_width, s->block_shift, s->scale, attn,
+                          s->positions, s->seq_ids, s->table, s->hidden_keys, s->table_width, s->block_shift, s->scale, attn,
                           s->threads))
             return -1;
         if (product(&l->o, attn, s->pending, rows, s->threads)) return -1;

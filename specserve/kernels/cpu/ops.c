@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kv_rows.h"
 #include "pool.h"
@@ -95,6 +96,7 @@ typedef struct {
     const int64_t* positions;
     const int64_t* seq_ids;
     const int32_t* table;  // [seqs, table_width]: pool block of each of a sequence's blocks
+    const int64_t* hidden;  // NULL, or per token: bit j hides position positions[t] - j (a token tree's branches)
     float* out;
     int n_heads, n_kv_heads, dim, table_width, block_shift;  // a block holds 1 << block_shift positions
     float scale;
@@ -150,6 +152,22 @@ static inline const float* block_rows(const kv_cache* c, const float* dense, con
 // DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
 #define KEYS 8  // keys whose scores are computed together
 
+// The softmax's sum over a token tree's row as its path alone would give it, bit for bit: its visible weights moved
+// next to each other (the hidden ones are the last 64 positions' at most), summed in the same lanes, put back.
+// (The values' weighted sum needs no such care: a hidden weight is 0 and adds nothing.)
+static vf tree_row_total(float* sc, int len, uint64_t hidden) {
+    const int from = len > 64 ? len - 64 : 0;
+    float tail[64];
+    memcpy(tail, sc + from, sizeof(float) * (size_t)(len - from));
+    int n = from;
+    for (int j = from; j < len; ++j)
+        if (!(hidden >> (len - 1 - j) & 1)) sc[n++] = sc[j];
+    vf total = v_zero();
+    for (int j = 0; j < n; j += VL) total = v_add(total, v_maskz(v_tail(n - j), v_load_n(sc + j, n - j)));
+    memcpy(sc + from, tail, sizeof(float) * (size_t)(len - from));
+    return total;
+}
+
 static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
                                                                   const int DIM) {
     const int dim = DIM ? DIM : a->dim, group = a->n_heads / a->n_kv_heads;
@@ -197,10 +215,19 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                 }
             }
         }
+        const uint64_t hidden = a->hidden ? (uint64_t)a->hidden[t] : 0;
         for (int g = 0; g < group; ++g) {
             float* sc = score_buf + (int64_t)g * len;
             vf top = v_set1(-INFINITY);
             for (int j = 0; j < len; j += VL) top = v_mask_max(top, v_tail(len - j), top, v_load_n(sc + j, len - j));
+            if (hidden) {  // another branch's keys (a token tree's): the max is the rest's, and exp(-1000) is 0 in fp32
+                float most = -INFINITY;
+                for (int j = 0; j < len; ++j)
+                    if (!(len - 1 - j < 64 && hidden >> (len - 1 - j) & 1)) most = sc[j] > most ? sc[j] : most;
+                for (int back = 1; back < 64 && back < len; ++back)
+                    if (hidden >> back & 1) sc[len - 1 - back] = most - 1000.0f;
+                top = v_set1(most);
+            }
             const vf best = v_set1(v_reduce_max(top));
             vf total = v_zero();
             for (int j = 0; j < len; j += VL) {
@@ -208,6 +235,7 @@ static inline __attribute__((always_inline)) void attention_range(attention_job*
                 v_store_n(sc + j, len - j, e);
                 total = v_add(total, e);
             }
+            if (hidden) total = tree_row_total(sc, len, hidden);
             inv[g] = 1.0f / v_reduce_add(total);
         }
         float* o = a->out + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;
@@ -247,12 +275,13 @@ static void attention_items(void* p, int start, int end) {
 // out [T, n_heads, dim] = attention of q [T, n_heads, dim] (contiguous) over the paged caches
 // [blocks, kv heads, 1 << block_shift, row] (fp32 rows of dim values, or packed rows: kv_rows.h):
 // token t reads sequence seq_ids[t] at positions 0..positions[t] through its row of the block table; q head h reads
-// kv head h / (n_heads / n_kv_heads). Returns 0, or -1 when scratch for the scores could not be allocated (out is
+// kv head h / (n_heads / n_kv_heads); hidden (or NULL): bit j of hidden[t] hides position positions[t] - j from token
+// t (a token tree's other branches). Returns 0, or -1 when scratch for the scores could not be allocated (out is
 // then incomplete).
 int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, void* k_data, int64_t k_block_stride,
                   int64_t k_head_stride, int k_bits, void* v_data, int64_t v_block_stride, int64_t v_head_stride,
                   int v_bits, const int64_t* positions, const int64_t* seq_ids, const int32_t* table,
-                  int table_width, int block_shift, float scale, float* out, int threads) {
+                  const int64_t* hidden, int table_width, int block_shift, float scale, float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
     attention_job a = {q,
                        {k_data, k_block_stride, k_head_stride, k_bits},
@@ -260,6 +289,7 @@ int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, v
                        positions,
                        seq_ids,
                        table,
+                       hidden,
                        out,
                        n_heads,
                        n_kv_heads,
