@@ -17,7 +17,8 @@ Two workloads, both in benchmarks/workloads/:
 
 A mode is `none` (no speculation: `"speculative.n_max": 0`), `prediction` (the prediction field, with the
 server's own speculation settings otherwise), a `speculative.type` sent per request (`ngram-suffix`, ...), or
-`prediction+TYPE` (both). The agent loop has no prediction to send: its prediction modes are skipped.
+`prediction+TYPE` (both); a part `treeN` adds `"speculative.tree_nodes": N` (token trees of up to N nodes from every
+drafter's candidate: `prediction+ngram-suffix+tree24`). The agent loop has no prediction to send: its prediction modes are skipped.
 
 Every request streams /v1/chat/completions greedily (temperature 0) with max_tokens = the tokens of the file
 (edits) or of the longest tool output (agent loop), as /tokenize counts them, plus --extra-tokens; --max-tokens
@@ -114,6 +115,8 @@ def mode_fields(mode: str, prediction: str | None) -> dict[str, Any]:
             if prediction is None:
                 raise ValueError(f"mode {mode!r} needs a prediction")
             out["prediction"] = {"type": "content", "content": prediction}
+        elif part.startswith("tree") and part[4:].isdigit():
+            out["speculative.tree_nodes"] = int(part[4:])
         elif part in ("", "none") or "speculative.type" in out:
             raise ValueError(f"bad mode {mode!r}")
         else:
