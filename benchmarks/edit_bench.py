@@ -18,7 +18,8 @@ Two workloads, both in benchmarks/workloads/:
 A mode is `none` (no speculation: `"speculative.n_max": 0`), `prediction` (the prediction field, with the
 server's own speculation settings otherwise), a `speculative.type` sent per request (`ngram-suffix`, ...), or
 `prediction+TYPE` (both); a part `treeN` adds `"speculative.tree_nodes": N` (token trees of up to N nodes from every
-drafter's candidate: `prediction+ngram-suffix+tree24`). The agent loop has no prediction to send: its prediction modes are skipped.
+drafter's candidate: `prediction+ngram-suffix+tree24`). The agent loop has no prediction to send: its prediction
+modes are skipped.
 
 Every request streams /v1/chat/completions greedily (temperature 0) with max_tokens = the tokens of the file
 (edits) or of the longest tool output (agent loop), as /tokenize counts them, plus --extra-tokens; --max-tokens

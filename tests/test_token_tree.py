@@ -172,3 +172,27 @@ def test_greedy_text_with_trees_is_plain_greedy(smollm_runner, smollm_tokenizer,
     assert gen.tokens == plain.tokens
     assert gen.result.n_steps < plain.result.n_steps
     assert gen.result.draft_sources["ngram_suffix"][1] > 0 and gen.result.draft_sources["fixed"][0] > 0
+
+
+def test_token_trees_through_the_server() -> None:
+    """`speculative.tree_nodes` on a request: the plain greedy text, drafted from the prediction and the request's
+    own history at once; a tree too big for a step's mask is a 400."""
+    from tests import app_engine
+
+    http = app_engine.client()
+    client = app_engine.openai_client(http)
+    messages = [{"role": "user", "content": "List the months of the year, one a line, then list them again."}]
+    plain = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=48,
+                                           extra_body={"speculative.n_max": 0})
+    text = plain.choices[0].message.content
+    assert text
+    edited = text.replace("March", "Mar", 1) if "March" in text else "Sure: " + text
+    got = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, temperature=0, max_tokens=48,
+        prediction={"type": "content", "content": edited},
+        extra_body={"speculative.type": "ngram-suffix", "speculative.tree_nodes": 16})
+    assert got.choices[0].message.content == text
+    sources = got.timings["draft_sources"]  # type: ignore[attr-defined]
+    assert sources["prediction"]["accepted"] > 0, sources
+    bad = http.post("/completion", json={"prompt": "hi", "speculative.tree_nodes": 65})
+    assert bad.status_code == 400 and "tree_nodes" in bad.text

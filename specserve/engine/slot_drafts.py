@@ -112,12 +112,13 @@ class DraftPolicy:
         return drafts
 
     def _tree_nodes(self, slot: Slot, ahead: int) -> int:
-        """The most nodes of the slot's token tree this step (each candidate is as long as a chain's draft may be);
-        0: it drafts a chain (sampled tasks, fed rows, chained drafts, runners without trees)."""
+        """The most nodes of the slot's token tree this step: its draft rows are the slot's share of a step's
+        (`draft_cap`, as a chain's), and each candidate is as long as the slot's chain may be (its acceptance,
+        `next_room`). 0: it drafts a chain (sampled tasks, fed rows, chained drafts, runners without trees)."""
         nodes = slot.task.spec.tree_nodes
         if not nodes or ahead or self.chained or not slot.greedy_only or not self.runner.token_trees:
             return 0
-        return min(nodes, self.n_ctx - len(slot.cache))  # (node i is written at position len(cache) + i)
+        return min(nodes, self._cap + 1, self.n_ctx - len(slot.cache))  # (node i goes to position len(cache) + i)
 
     @staticmethod
     def _draft(slot: Slot, candidates: list[tuple[Speculator, list[int]]], nodes: int) -> list[int] | TokenTree:
