@@ -24,7 +24,9 @@ modes are skipped.
 Every request streams /v1/chat/completions greedily (temperature 0) with max_tokens = the tokens of the file
 (edits) or of the longest tool output (agent loop), as /tokenize counts them, plus --extra-tokens; --max-tokens
 caps it. Each item first gets a 1-token request (its prompt then waits in the server's cache for every mode), then
-its modes one after another; --concurrency runs that many items at a time, so every mode meets the same load.
+its modes one after another; --concurrency runs that many items at a time, so every mode meets the same load. Each
+mode of a run sends its own `speculative.scope`, so it drafts from the earlier answers of that mode only, never from
+an answer another mode gave for the same item (`--one-store`: one store for all).
 
 Per workload and mode it reports the generated tokens/s after each answer's first token, pooled over the answers
 ((tokens - 1) / time from the first network read of text to the read of the finish), its speedup over `none`, the
@@ -125,10 +127,14 @@ def mode_fields(mode: str, prediction: str | None) -> dict[str, Any]:
     return out
 
 
-def request_body(item: Item, mode: str, max_tokens: int, model: str | None = None) -> dict[str, Any]:
-    """The streamed, greedy /v1/chat/completions request of an item in a mode."""
+def request_body(item: Item, mode: str, max_tokens: int, model: str | None = None,
+                 scope: str | None = None) -> dict[str, Any]:
+    """The streamed, greedy /v1/chat/completions request of an item in a mode; scope: the mode's requests draft from
+    each other's text in the server's shared store (`speculative.scope` scope/mode), never another mode's."""
     body: dict[str, Any] = {"messages": item.messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                             "stream_options": {"include_usage": True}, **mode_fields(mode, item.prediction)}
+    if scope is not None and mode != "none":
+        body["speculative.scope"] = f"{scope}/{mode}"
     if item.tools:
         body["tools"] = item.tools
     if model:
@@ -351,6 +357,7 @@ class Settings:
     prime: bool = True  # a 1-token request before an item's modes, so each finds its prompt in the server's cache
     save_text: bool = False
     transport: httpx.AsyncBaseTransport | None = None  # tests: a stand-in server
+    scope: str | None = None  # request_body's: None, every mode drafts from every earlier answer
 
 
 async def run_items(settings: Settings, items: Sequence[Item], modes: Sequence[str],
@@ -368,7 +375,8 @@ async def run_items(settings: Settings, items: Sequence[Item], modes: Sequence[s
                 if settings.prime:
                     await stream_answer(client, request_body(item, "none", 1, settings.model))
                 for mode in modes:
-                    answer = await stream_answer(client, request_body(item, mode, max_tokens[item.id], settings.model))
+                    body = request_body(item, mode, max_tokens[item.id], settings.model, settings.scope)
+                    answer = await stream_answer(client, body)
                     out.append(item_result(item, mode, max_tokens[item.id], answer, settings.save_text))
             shown = [f"{r.mode} {r.tokens_per_s:.1f}" if r.tokens_per_s else f"{r.mode} {(r.error or 'held')[:100]}"
                      for r in out]
@@ -385,7 +393,7 @@ async def warm_up(settings: Settings, item: Item, modes: Sequence[str]) -> None:
     async with httpx.AsyncClient(base_url=settings.url, headers=settings.headers, timeout=settings.timeout,
                                  transport=settings.transport) as client:
         for mode in modes:
-            await stream_answer(client, request_body(item, mode, 8, settings.model))
+            await stream_answer(client, request_body(item, mode, 8, settings.model, settings.scope))
 
 
 def mark_identical(results: list[ItemResult]) -> None:
@@ -486,6 +494,9 @@ def main() -> int:
     p.add_argument("--no-prime", action="store_true",
                    help="skip the 1-token request that puts an item's prompt in the server's cache before its modes")
     p.add_argument("--save-texts", action="store_true", help="keep every answer's text in the JSON")
+    p.add_argument("--one-store", action="store_true",
+                   help="let every mode draft from every earlier answer in the server's shared store (by default each "
+                        "mode and run has its own speculative.scope, so a mode never drafts an answer another gave)")
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON output path")
     args = p.parse_args()
 
@@ -506,7 +517,8 @@ def main() -> int:
 
     model = server_model(url, headers)
     settings = Settings(url=url, headers=headers, timeout=args.timeout, model=args.model,
-                        concurrency=max(1, args.concurrency), prime=not args.no_prime, save_text=args.save_texts)
+                        concurrency=max(1, args.concurrency), prime=not args.no_prime, save_text=args.save_texts,
+                        scope=None if args.one_store else f"edit-bench-{time.time_ns()}")
     results: list[ItemResult] = []
     budgets: dict[str, dict[str, int]] = {}
     for name, (items, modes) in workloads.items():

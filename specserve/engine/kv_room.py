@@ -104,6 +104,7 @@ class KVMemory:
         # caches slots dropped for other prompts, oldest first, whose named blocks the pool keeps: what the host tier
         # takes before the pool gives those blocks up (spill_given_up)
         self.given_up: OrderedDict[tuple[int, ...], KVKey] = OrderedDict()
+        self._named: dict[int, tuple[KVKey, list[int], list[int]]] = {}  # slot id -> (key, tokens named, names)
 
     def pick_slot(self, task: Task) -> Slot:
         """The idle slot whose cache shares the longest prefix with the prompt, else the least recently used."""
@@ -265,10 +266,19 @@ class KVMemory:
             self.counters.kv_preemptions += 1
 
     def cache_settled(self, slot: Slot) -> None:
-        """Name the full blocks of what the slot holds and has settled (slot.cache) by content, for attach_cached."""
-        if self.prefix_cache:
-            n = min(len(slot.cache), self.runner.seq_len[slot.id])
-            self.runner.kv_cache(slot.id, content_hashes(slot.cache[:n], slot.kv_key, self.block_size))
+        """Name the full blocks of what the slot holds and has settled (slot.cache) by content, for attach_cached.
+        Only blocks past those named last time are hashed, where the slot's tokens still start with those."""
+        if not self.prefix_cache:
+            return
+        n = min(len(slot.cache), self.runner.seq_len[slot.id])
+        tokens, key = slot.cache[:n], slot.kv_key
+        known: list[int] = []
+        last = self._named.get(slot.id)
+        if last is not None and last[0] == key and tokens[:len(last[1])] == last[1]:
+            known = last[2]
+        names = content_hashes(tokens, key, self.block_size, known)
+        self._named[slot.id] = (key, tokens[:len(names) * self.block_size], names)
+        self.runner.kv_cache(slot.id, names)
 
     def attach_cached(self, slot: Slot, prompt: list[int], keep: int) -> int:
         """Where cached blocks hold more of the prompt than the slot's own `keep` positions (a shared system prompt,

@@ -29,12 +29,14 @@ def blocks_for(n_positions: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-n_positions // block_size)
 
 
-def content_hashes(tokens: Sequence[int], salt: object = (), block_size: int = BLOCK_SIZE) -> list[int]:
+def content_hashes(tokens: Sequence[int], salt: object = (), block_size: int = BLOCK_SIZE,
+                   known: Sequence[int] = ()) -> list[int]:
     """A name for each full block of a sequence holding `tokens`: a hash of its tokens and of the name before it (so
     of every token up to its end), and of `salt` (what else decides the K/V: a sequence's LoRA scales). Python's
-    hash of ints and tuples is the same in every process, so a remote front and its host agree."""
-    out, name = [], hash(salt)
-    for i in range(0, len(tokens) - block_size + 1, block_size):
+    hash of ints and tuples is the same in every process, so a remote front and its host agree. `known`: the names
+    of the first blocks, already computed for these tokens and salt (only the blocks after them are hashed)."""
+    out, name = list(known), (known[-1] if known else hash(salt))
+    for i in range(len(known) * block_size, len(tokens) - block_size + 1, block_size):
         name = hash((name, *tokens[i:i + block_size]))
         out.append(name)
     return out
