@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specserve.engine.draft_gate import ROW_COST, TREE_RETRY, TreeValue
 from specserve.engine.generate import generate
 from specserve.engine.sampling import SamplingParams
 from specserve.gguf.chat_template import apply_chat_template
@@ -196,3 +197,31 @@ def test_token_trees_through_the_server() -> None:
     assert sources["prediction"]["accepted"] > 0, sources
     bad = http.post("/completion", json={"prompt": "hi", "speculative.tree_nodes": 65})
     assert bad.status_code == 400 and "tree_nodes" in bad.text
+
+
+def test_suffix_alternatives_come_from_shorter_matches() -> None:
+    """ngram-suffix drafts what followed the longest match, and for a tree also what followed the latest shorter
+    one where that went another way; each member is told the most of its candidates' tokens accepted."""
+    history = [10, 11, 12, 20, 21, 11, 12, 30, 31, 10, 11]
+    suffix = NgramSuffix(SpecParams(type="ngram-suffix"))
+    suffix.prepare(history)
+    first = suffix.draft(history, 12, 8)
+    assert first[:2] == [20, 21]
+    assert suffix.alternatives(history, 12, 8, first) == [[30, 31, 10, 11]]
+    chain = Chain([suffix])
+    chain.tree = [(suffix, first), (suffix, [30, 31, 10, 11])]
+    chain.accept_path([30, 31, 10])
+    assert suffix.stats.acc_tokens == 3 and suffix.stats.gen_tokens == len(first) + 4  # (alternatives count too)
+
+
+def test_trees_that_do_not_pay_for_their_rows_give_way_to_chains() -> None:
+    value = TreeValue()
+    assert value.wanted(ROW_COST["cpu"])  # (nothing known yet)
+    for _ in range(12):
+        value.note(0, 10)  # the other branches never won a token: ten rows for nothing
+    assert value.gain == 0 and value.rows > 9
+    skipped = [value.wanted(ROW_COST["cpu"]) for _ in range(TREE_RETRY + 1)]
+    assert skipped == [False] * TREE_RETRY + [True]  # a chain each time, then a tree again to look
+    for _ in range(2):
+        value.note(8, 10)  # trees that won eight tokens over their first candidate: worth ten CPU rows (two steps)
+    assert value.wanted(ROW_COST["cpu"])

@@ -57,6 +57,34 @@ def chained_surplus(surplus: float, gained: int, whole: bool) -> float:
     return (1 - SMOOTHING) * surplus + SMOOTHING * (gained + int(whole) - 2)
 
 
+ROW_COST = {"cuda": 0.02, "cpu": 0.2}  # a verify row's cost in decode steps: a GPU at a few rows, a 2-core CPU
+TREE_SMOOTHING = 0.25  # weight of the newest tree in TreeValue's averages
+TREE_RETRY = 8  # a slot whose trees did not pay drafts chains, and a tree again every this many drafts
+
+
+@dataclass
+class TreeValue:
+    """Whether a slot's token trees pay for their rows: the tokens the other branches gave beyond the first
+    candidate's, against the rows they took, averaged over its recent trees. A verify row costs a fraction of a
+    decode step (ROW_COST: little on a GPU, a fifth on a 2-core CPU), so on a CPU a tree must win often."""
+
+    gain: float = 0.0  # tokens a tree gave beyond its first candidate alone
+    rows: float = 0.0  # rows it took beyond the first candidate's
+    skipped: int = 0  # drafts made as chains since the last tree
+
+    def note(self, gained: int, extra_rows: int) -> None:
+        self.gain += TREE_SMOOTHING * (gained - self.gain)
+        self.rows += TREE_SMOOTHING * (extra_rows - self.rows)
+        self.skipped = 0
+
+    def wanted(self, row_cost: float) -> bool:
+        """Whether the next draft is a tree (else a chain, counted toward the next try)."""
+        if self.gain >= row_cost * self.rows or self.skipped >= TREE_RETRY:
+            return True
+        self.skipped += 1
+        return False
+
+
 def draft_cap(n_slots: int) -> int:
     """Most tokens one slot may draft in a step while n_slots generate."""
     return max(MIN_DRAFT, DRAFT_ROWS // max(n_slots, 1))

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from specserve.engine import step_trace
-from specserve.engine.draft_gate import DraftGate
+from specserve.engine.draft_gate import DraftGate, TreeValue
 from specserve.engine.kv_room import KVMemory, most_blocks
 from specserve.engine.runner import Runner
 from specserve.engine.sampling import Sampler
@@ -268,6 +268,7 @@ class Scheduler:
             slot.n_decoded = slot.n_steps = slot.draft_n = slot.draft_accepted = 0
             slot.draft_room = task.spec.n_max
             slot.draft_surplus = 0.0
+            slot.tree_value = TreeValue()
             slot.last = -1
             slot.t_start = time.perf_counter()
             slot.sampler = Sampler(task.sampling)

@@ -8,7 +8,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from specserve.engine.draft_gate import DRAFT_ROWS, MAX_DRAFTING_SLOTS, SURPLUS_RECOVERY, DraftGate, draft_cap
+from specserve.engine.draft_gate import (
+    DRAFT_ROWS,
+    MAX_DRAFTING_SLOTS,
+    ROW_COST,
+    SURPLUS_RECOVERY,
+    DraftGate,
+    draft_cap,
+)
 from specserve.engine.runner import Runner
 from specserve.engine.slots import Slot
 from specserve.model.token_tree import TokenTree
@@ -37,6 +44,7 @@ class DraftPolicy:
         self.chained = False  # this turn: drafted steps are chained (busy slots past MAX_DRAFTING_SLOTS)
         self._turn = 0  # steps drafted for (the chained drafts' rotation)
         self._cap = draft_cap(1)
+        self._row_cost = ROW_COST.get(runner.device.type, ROW_COST["cpu"])
 
     def begin_turn(self, generating: int, busy: int) -> None:
         """A turn with `generating` slots generating and `busy` slots busy (prompt readers too: a drafting turn
@@ -114,9 +122,12 @@ class DraftPolicy:
     def _tree_nodes(self, slot: Slot, ahead: int) -> int:
         """The most nodes of the slot's token tree this step: its draft rows are the slot's share of a step's
         (`draft_cap`, as a chain's), and each candidate is as long as the slot's chain may be (its acceptance,
-        `next_room`). 0: it drafts a chain (sampled tasks, fed rows, chained drafts, runners without trees)."""
+        `next_room`). 0: it drafts a chain (sampled tasks, fed rows, chained drafts, runners without trees, and
+        slots whose recent trees did not pay for their rows, `TreeValue`)."""
         nodes = slot.task.spec.tree_nodes
         if not nodes or ahead or self.chained or not slot.greedy_only or not self.runner.token_trees:
+            return 0
+        if not slot.tree_value.wanted(self._row_cost):
             return 0
         return min(nodes, self._cap + 1, self.n_ctx - len(slot.cache))  # (node i goes to position len(cache) + i)
 

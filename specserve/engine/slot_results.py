@@ -21,6 +21,7 @@ from specserve.engine.step_plan import Entry, InFlight
 from specserve.engine.tasks import Chunk, Event, Failure, Progress, Result, TaskHandle, TokenProb
 from specserve.errors import SpecserveError
 from specserve.gguf.tokenizer import Tokenizer
+from specserve.model.batch import common_prefix
 from specserve.model.token_tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class Settler:
         slot = e.slot
         path, out = tree.walk(picked)
         assert slot.chain is not None
+        first = slot.chain.tree[0][1] if slot.chain.tree else []
+        slot.tree_value.note(len(path) - 1 - common_prefix(first, out[:-1]), max(0, len(tree) - 1 - len(first)))
         slot.chain.accept_path(out[:-1])
         drafted, accepted = len(tree) - 1, len(path) - 1
         slot.draft_n += drafted

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from specserve.engine.draft_gate import TreeValue
 from specserve.engine.sampling import Sampler
 from specserve.engine.tasks import KVKey, Task, TaskHandle
 from specserve.engine.text_stream import TextStream
@@ -51,6 +52,7 @@ class Slot:
     draft_accepted: int = 0
     draft_room: int = 1 << 30  # most tokens its next draft may have (draft_gate.next_room)
     draft_surplus: float = 0.0  # chained drafts: tokens a drafted step gives over two plain ones (draft_gate)
+    tree_value: TreeValue = field(default_factory=TreeValue)  # what its token trees' other branches give
     # timings (perf_counter): the task's start, its prompt's end
     t_start: float = 0.0
     t_prompt_done: float = 0.0

@@ -159,6 +159,11 @@ class Speculator(ABC):
     def end(self) -> None:  # noqa: B027 - optional hook
         """The generation is over (e.g. save a dynamic cache)."""
 
+    def alternatives(self, history: list[int], last_sampled: int, n_max: int, first: list[int]) -> list[list[int]]:
+        """Other continuations than `first` (this speculator's draft just made), each starting with another token,
+        for a token tree's other branches; none by default. Their tokens count as generated."""
+        return []
+
     @abstractmethod
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         """The type's drafting rule; may return more than n_max (the caller trims)."""
@@ -194,10 +199,15 @@ class Chain:
             self._last.accept(n_accepted)
 
     def accept_path(self, accepted: list[int]) -> None:
-        """A token tree's verdict: the draft tokens accepted; each candidate's member learns how many of its own
-        tokens that is."""
+        """A token tree's verdict: the draft tokens accepted; each member learns how many of its own tokens that is
+        (the most of its candidates')."""
+        best: dict[int, tuple[Speculator, int]] = {}
         for member, tokens in self.tree:
-            member.accept(common_prefix(tokens, accepted))
+            n = common_prefix(tokens, accepted)
+            if n >= best.get(id(member), (member, -1))[1]:
+                best[id(member)] = (member, n)
+        for member, n in best.values():
+            member.accept(n)
         self.tree = []
 
     def end(self) -> None:
@@ -239,6 +249,9 @@ def draft_candidates(asks: list[DraftAsk], every: list[bool]) -> list[list[tuple
     def keep(i: int, member: Speculator, tokens: list[int]) -> None:
         if tokens:
             found[i].append((member, tokens))
+            if every[i]:
+                _, history, last, n_max, _ = asks[i]
+                found[i] += [(member, alt) for alt in member.alternatives(history, last, n_max, tokens)]
             asks[i][0]._last = member if len(found[i]) == 1 else asks[i][0]._last
             if not every[i]:
                 position[i] = len(asks[i][0].members)

@@ -20,6 +20,7 @@ DRAFT_BEYOND_MATCH = 3
 BULK = 32  # index more new tokens than this per k-gram length, fewer per position
 TAIL = 16  # a draft compares up to this many unindexed positions directly, indexes more first
 LONGEST = 32  # the longest suffix looked up, whatever n says: the index costs O(longest) a token
+ALTERNATIVES = 2  # a token tree's branches from shorter matches, besides the longest match's
 
 
 class SuffixIndex(HistoryIndex):
@@ -57,7 +58,7 @@ class SuffixIndex(HistoryIndex):
         """Positions of `history` past what is indexed (all of it for another history)."""
         return len(history) - self._indexed_length(history)
 
-    def _earlier_end(self, history: list[int], last: int, k: int) -> int | None:
+    def earlier_end(self, history: list[int], last: int, k: int) -> int | None:
         """Latest indexed end of the k tokens ending with `last` (history's last k - 1, then last)."""
         suffix = history[len(history) - k + 1:] + [last]
         end = self._latest[k - 1].get(hash(tuple(suffix)))
@@ -84,14 +85,14 @@ class SuffixIndex(HistoryIndex):
 
     def _indexed_match(self, history: list[int], last: int) -> tuple[int, int] | None:
         """longest_match among the indexed ends (the history's k-grams checked, the index's ends trusted)."""
-        end = self._earlier_end(history, last, 1)
+        end = self.earlier_end(history, last, 1)
         if end is None:
             return None
         # A run that occurred before contains shorter ones that did too: binary search its length.
         lo, hi = 1, min(self.longest, len(history))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            found = self._earlier_end(history, last, mid)
+            found = self.earlier_end(history, last, mid)
             if found is None:
                 hi = mid - 1
             else:
@@ -126,6 +127,27 @@ class NgramSuffix(Speculator):
         found = self._index.longest_match(history, last_sampled)
         self._memo = (len(history), last_sampled, found)
         return found
+
+    def alternatives(self, history: list[int], last_sampled: int, n_max: int, first: list[int]) -> list[list[int]]:
+        """What followed the latest earlier occurrences of shorter suffixes, where those went another way than the
+        longest match's (at most ALTERNATIVES of them): a token tree's other branches."""
+        match = self.match(history, last_sampled)
+        if match is None or not first:
+            return []
+        k, end = match
+        out, starts = [], {first[0]}
+        for shorter in range(k - 1, 0, -1):
+            other = self._index.earlier_end(history, last_sampled, shorter)
+            if other is None or other == end or other + 1 >= len(history):
+                continue
+            tokens = history[other + 1:other + 1 + min(n_max, self.size_m, shorter + DRAFT_BEYOND_MATCH)]
+            if tokens[0] not in starts:
+                starts.add(tokens[0])
+                out.append(tokens)
+                if len(out) == ALTERNATIVES:
+                    break
+        self.stats.gen_tokens += sum(map(len, out))
+        return out
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
         match = self.match(history, last_sampled)
