@@ -129,7 +129,8 @@ class DraftPolicy:
             return 0
         if not slot.tree_value.wanted(self._row_cost):
             return 0
-        return min(nodes, self._cap + 1, self.n_ctx - len(slot.cache))  # (node i goes to position len(cache) + i)
+        # (node i goes to position len(cache) + i; draft_limit: rows a step of one sequence may have on this runner)
+        return min(nodes, self._cap + 1, self.runner.draft_limit(nodes - 1) + 1, self.n_ctx - len(slot.cache))
 
     @staticmethod
     def _draft(slot: Slot, candidates: list[tuple[Speculator, list[int]]], nodes: int) -> list[int] | TokenTree:
