@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import tempfile
 from functools import cache
+from typing import Any
 
 import openai
 from fastapi import FastAPI
@@ -44,3 +45,10 @@ def client(**changes: object) -> TestClient:
 def openai_client(http: TestClient, api_key: str = "x") -> openai.OpenAI:
     """The official client over the in-process app (the TestClient is an httpx client, as the openai client's own)."""
     return openai.OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
+
+
+def greedy_chat(client: openai.OpenAI, messages: list[Any], max_tokens: int,
+                **options: Any) -> openai.types.chat.ChatCompletion:
+    """A greedy chat completion of the embedded model; options: the create() call's other arguments."""
+    return client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
+                                          max_tokens=max_tokens, **options)

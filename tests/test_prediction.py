@@ -88,8 +88,7 @@ def test_predicted_outputs_through_the_openai_client() -> None:
     http = app_engine.client()
     client = app_engine.openai_client(http)
     messages = [{"role": "user", "content": "Write the numbers from one to twelve in words, comma separated."}]
-    plain = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40,
-                                           extra_body={"speculative.n_max": 0})
+    plain = app_engine.greedy_chat(client, messages, 40, extra_body={"speculative.n_max": 0})
     text = plain.choices[0].message.content
     assert text and plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     edited = text.replace("five", "5", 1) if "five" in text else "Sure: " + text
@@ -97,8 +96,7 @@ def test_predicted_outputs_through_the_openai_client() -> None:
     # model's rounding, so the bounds are shares of it)
     n = plain.usage.completion_tokens
     for prediction, least in ((text, 3 * (n - 2) // 4), (edited, (n - 2) // 3)):
-        got = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40,
-                                             prediction={"type": "content", "content": prediction})
+        got = app_engine.greedy_chat(client, messages, 40, prediction={"type": "content", "content": prediction})
         details = got.usage.completion_tokens_details
         assert got.choices[0].message.content == text
         assert details.accepted_prediction_tokens >= least, details

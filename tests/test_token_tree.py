@@ -16,9 +16,10 @@ from specserve.kernels.attention import attention_ref
 from specserve.kernels.cpu import build
 from specserve.model.batch import Batch
 from specserve.model.token_tree import MAX_TREE_NODES, TokenTree
-from specserve.speculative.base import Chain, SpecParams, Speculator
+from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.ngram_suffix import NgramSuffix
 from tests.helpers import prefill
+from tests.test_draft_chains import Fixed
 from tests.test_speculative_e2e import CODE_EDIT
 
 
@@ -143,19 +144,6 @@ def test_runner_tree_step_matches_each_branch_alone(smollm_runner, smollm_tokeni
     runner.kv_truncate(0, 0)
 
 
-class Fixed(Speculator):
-    """Drafts a fixed run of tokens: a candidate the target rejects, in front of a useful one."""
-
-    name = "fixed"
-
-    def __init__(self, tokens: list[int]):
-        super().__init__()
-        self.tokens = tokens
-
-    def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
-        return self.tokens[:n_max]
-
-
 @pytest.mark.parametrize("wrong_first", [True, False])
 def test_greedy_text_with_trees_is_plain_greedy(smollm_runner, smollm_tokenizer, wrong_first: bool) -> None:
     tok = smollm_tokenizer
@@ -183,15 +171,12 @@ def test_token_trees_through_the_server() -> None:
     http = app_engine.client()
     client = app_engine.openai_client(http)
     messages = [{"role": "user", "content": "List the months of the year, one a line, then list them again."}]
-    plain = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=48,
-                                           extra_body={"speculative.n_max": 0})
+    plain = app_engine.greedy_chat(client, messages, 48, extra_body={"speculative.n_max": 0})
     text = plain.choices[0].message.content
     assert text
     edited = text.replace("March", "Mar", 1) if "March" in text else "Sure: " + text
-    got = client.chat.completions.create(
-        model="smollm2-135m", messages=messages, temperature=0, max_tokens=48,
-        prediction={"type": "content", "content": edited},
-        extra_body={"speculative.type": "ngram-suffix", "speculative.tree_nodes": 16})
+    got = app_engine.greedy_chat(client, messages, 48, prediction={"type": "content", "content": edited},
+                                 extra_body={"speculative.type": "ngram-suffix", "speculative.tree_nodes": 16})
     assert got.choices[0].message.content == text
     sources = got.timings["draft_sources"]  # type: ignore[attr-defined]
     assert sources["prediction"]["accepted"] > 0, sources
