@@ -8,7 +8,7 @@
 # a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
 #   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
-#   paged pool mixes kvtypes batchprofile]
+#   paged pool mixes kvtypes batchprofile edits]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -97,6 +97,17 @@ for step in $steps; do
                         --server-args --weight-format "$FORMAT" $flags 2>&1 | tail -3 | sed "s/^/$kv round $round: /"
                 done
             done ;;
-        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes kvtypes)" ;;
+        edits) # issue 42's table: whole-file edits (predictions, suffix matches, token trees) and the agent loop, one
+               # request at a time through specserve serve
+            python3 -m specserve.cli serve -m $T --weight-format "$FORMAT" -np 1 -c 32768 --port 8097 \
+                > "$OUT/edits_server.log" 2>&1 &
+            server=$!
+            for _ in $(seq 120); do curl -sf http://127.0.0.1:8097/health > /dev/null && break; sleep 1; done
+            timeout 900 python3 benchmarks/edit_bench.py --url http://127.0.0.1:8097 --limit 8 --max-tokens 512 \
+                --modes "${EDIT_MODES:-none,prediction,prediction+ngram-suffix,prediction+ngram-suffix+tree16,ngram-suffix,ngram-suffix+tree16}" \
+                --agent-modes "${AGENT_MODES:-none,ngram-suffix,ngram-suffix+tree16}" \
+                -o "$OUT/edit_${T}_cuda$sfx.json" 2>&1 | grep -v "^  " | tail -30
+            kill $server ;;
+        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes kvtypes batchprofile edits)" ;;
     esac
 done
