@@ -27,7 +27,7 @@ def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Pat
     monkeypatch.setenv("SPECSERVE_WORKLOADS", str(workloads))
     out = tmp_path / "bench.json"
     assert main(["bench", "-m", str(smollm_path), "--device", "cpu", "-p", "16", "-n", "4", "--no-hf",
-                 "--spec-types", "ngram-suffix", "--repeat", "1", "-o", str(out)]) == 0
+                 "--spec-types", "ngram-suffix", "--repeat", "1", "--draft-tree", "8", "-o", str(out)]) == 0
     captured = capsys.readouterr()
     assert "tg4 code-edit ngram-suffix" in captured.out
     progress = [line for line in captured.err.splitlines() if line.startswith("bench: ")]
@@ -38,6 +38,7 @@ def test_bench_in_process_writes_table_and_json(smollm_path: Path, tmp_path: Pat
     spec = data["code_edit_spec"]["ngram-suffix"]
     assert spec["identical"] is True and spec["tokens_per_s"] > 0
     assert data["code_edit_spec"]["ngram-suffix (no overlap)"]["identical"] is True
+    assert data["code_edit_spec"]["ngram-suffix tree 8"]["identical"] is True
 
 
 @pytest.mark.slow
@@ -69,6 +70,12 @@ def test_bench_refuses_bad_ngram_sizes(smollm_path: Path) -> None:
         result = run_bench("-m", str(smollm_path), "--device", "cpu", "--ngram-sizes", sizes, "--no-hf")
         assert result.returncode == 1 and "Traceback" not in result.stderr
         assert message in result.stderr
+
+
+def test_bench_refuses_a_tree_too_big(smollm_path: Path) -> None:
+    result = run_bench("-m", str(smollm_path), "--device", "cpu", "--draft-tree", "65", "--no-hf")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "tree_nodes = 65 is out of range" in result.stderr
 
 
 def test_bench_refuses_zero_repeats(smollm_path: Path) -> None:

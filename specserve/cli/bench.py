@@ -52,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ngram-sizes", default=str(SpecParams.ngram_size_n),
                    help="comma-separated n-gram key lengths (--spec-ngram-size-n) to time each keyed n-gram type "
                         "with (default: llama.cpp's); shorter keys draft more often on edited code")
+    p.add_argument("--draft-tree", type=int, default=0, metavar="N",
+                   help="also time each type with token trees of up to N nodes (speculative.tree_nodes)")
     p.add_argument("--repeat", type=int, default=3,
                    help="passes over the code-edit prompts per row; the median pass is reported")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
@@ -69,6 +71,7 @@ def _chains(draft: Runner | None) -> ChainFactory:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.n_prompt < 1 or args.n_gen < 1 or args.repeat < 1:
         raise SpecserveError("-p, -n and --repeat must be at least 1")
+    SpecParams(tree_nodes=args.draft_tree).validate()  # (before the model loads)
     types = [t for t in args.spec_types.split(",") if t]
     try:
         sizes = [int(n) for n in args.ngram_sizes.split(",") if n]
@@ -123,16 +126,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     none_rate, _, none_out = greedy_decode_rate(runner, session.tokenizer, code_edit, args.n_gen, repeat=args.repeat)
     record(f"tg{args.n_gen} code-edit none", none_rate)
     spec_rows = {}
-    runs: list[tuple[str, int | None, bool]] = [(t, None, True) for t in types if t not in KEYED_TYPES]
-    runs += [(t, n, True) for t in types if t in KEYED_TYPES for n in sizes]
+    runs: list[tuple[str, int | None, bool, int]] = [(t, None, True, 0) for t in types if t not in KEYED_TYPES]
+    runs += [(t, n, True, 0) for t in types if t in KEYED_TYPES for n in sizes]
     if runs:  # the first again with one step at a time: what overlapping the plain steps gains
-        runs.append((runs[0][0], runs[0][1], False))
-    for t, n, overlap in runs:
-        spec = SpecParams(type="none" if t == "draft" else t)
+        runs.append((runs[0][0], runs[0][1], False, 0))
+    if args.draft_tree:
+        runs += [(t, n, True, args.draft_tree) for t, n, overlap, _ in runs if overlap]
+    for t, n, overlap, tree in runs:
+        spec = SpecParams(type="none" if t == "draft" else t, tree_nodes=tree)
         if n is not None:
             spec = spec.with_overrides(ngram_size_n=n)
         label = t if n is None or sizes == [SpecParams.ngram_size_n] else f"{t} n={n}"
-        label += "" if overlap else " (no overlap)"
+        label += ("" if overlap else " (no overlap)") + (f" tree {tree}" if tree else "")
         draft = session.draft_runner if t == "draft" else None
         rate, stats, out = greedy_decode_rate(
             runner, session.tokenizer, code_edit, args.n_gen, spec=spec, overlap=overlap, repeat=args.repeat,
