@@ -312,8 +312,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
         return await off_loop(request, render)
 
-    @app.post("/embedding", openapi_extra=operation(EmbeddingRequest, not_supported=True))
-    @app.post("/embeddings", openapi_extra=operation(EmbeddingRequest, not_supported=True))
+    @app.post("/embedding", openapi_extra=operation(EmbeddingRequest, not_supported=True, array=True))
+    @app.post("/embeddings", openapi_extra=operation(EmbeddingRequest, not_supported=True, array=True))
     async def embedding(request: Request) -> Response:
         return JSONResponse(await embeddings(eng(), state.admission, await request.body(), openai=False))
 
