@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from specserve.engine.draft_gate import ROW_COST, TREE_RETRY, TreeValue
 from specserve.engine.generate import generate
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.slot_results import Settler
+from specserve.engine.step_plan import Entry
 from specserve.gguf.chat_template import apply_chat_template
 from specserve.kernels.attention import attention_ref
 from specserve.kernels.cpu import build
@@ -145,8 +147,17 @@ def test_runner_tree_step_matches_each_branch_alone(smollm_runner, smollm_tokeni
 
 
 @pytest.mark.parametrize("wrong_first", [True, False])
-def test_greedy_text_with_trees_is_plain_greedy(smollm_runner, smollm_tokenizer, wrong_first: bool) -> None:
+def test_greedy_text_with_trees_is_plain_greedy(smollm_runner, smollm_tokenizer, wrong_first: bool,
+                                                 monkeypatch) -> None:
     tok = smollm_tokenizer
+    walked: list[int] = []  # the accepted path's length of each tree verified
+    after_tree = Settler._after_tree
+
+    def counting(self: Settler, e: Entry, tree: TokenTree, picked: list[int]) -> None:
+        walked.append(len(tree.walk(picked)[0]))
+        after_tree(self, e, tree, picked)
+
+    monkeypatch.setattr(Settler, "_after_tree", counting)
     prompt = tok.encode(apply_chat_template(tok, CODE_EDIT), add_special=False)
     greedy = SamplingParams(temperature=0)
     plain = generate(smollm_runner, tok, prompt, 64, greedy, None)
@@ -161,6 +172,7 @@ def test_greedy_text_with_trees_is_plain_greedy(smollm_runner, smollm_tokenizer,
     assert gen.tokens == plain.tokens
     assert gen.result.n_steps < plain.result.n_steps
     assert gen.result.draft_sources["ngram_suffix"][1] > 0 and gen.result.draft_sources["fixed"][0] > 0
+    assert walked and (not wrong_first or max(walked) > 1)  # trees were verified; off the wrong first branch too
 
 
 def test_token_trees_through_the_server() -> None:

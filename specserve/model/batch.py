@@ -79,16 +79,18 @@ class Batch:
         self.add_sequence(list(tree.tokens), start_pos, seq, "all")
 
     def tree_layout(self) -> tuple[list[int], list[int]] | None:
-        """Per row, how far its rotary position lies before its cache position, and the tree rows it must not
-        see (TokenTree.hidden_bits); None where the batch holds no branching tree."""
+        """Per row, its rotary position (a token tree's node: where its depth puts it, before the position it is
+        written at) and the tree rows it must not see (TokenTree.hidden_bits); None where the batch holds no
+        branching tree."""
         trees = [(first, tree) for first, tree in self.trees if not tree.is_chain]
         if not trees:
             return None
-        offsets, hidden = [0] * len(self.tokens), [0] * len(self.tokens)
+        rope, hidden = list(self.positions), [0] * len(self.tokens)
         for first, tree in trees:
             for i, (depth, bits) in enumerate(zip(tree.depths(), tree.hidden_bits(), strict=True)):
-                offsets[first + i], hidden[first + i] = i - depth, bits - (bits >> 63 << 64)  # (as an int64)
-        return offsets, hidden
+                rope[first + i] += depth - i
+                hidden[first + i] = bits - (bits >> 63 << 64)  # (as an int64)
+        return rope, hidden
 
     def __len__(self) -> int:
         return len(self.tokens)

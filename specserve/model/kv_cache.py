@@ -28,13 +28,13 @@ class KVStep:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, K and V [n_blocks, n_kv_heads, block_size, dim]
     table: torch.Tensor  # int32 [sequences, blocks a sequence]: pool block of each of a sequence's blocks
     slots: torch.Tensor  # long [rows]: the pool slot each row's K/V goes to
-    # A step with token trees (Batch.tree_layout): per row, how far its rotary position lies before the position
-    # it is written at, and the 64 positions before it that it must not see (bit j: position - j); else None.
-    rope_offsets: torch.Tensor | None = None
+    # A step with token trees (Batch.tree_layout): per row, its rotary position (a tree node's is before the
+    # position it is written at) and the 64 positions before it that it must not see (bit j: position - j).
+    rope: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
 
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions if self.rope_offsets is None else positions - self.rope_offsets
+        return positions if self.rope is None else self.rope
 
     def note_rows(self, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
         """Enter the block each row writes into its sequence's table (rows of one block agree)."""
@@ -75,7 +75,7 @@ class PagedKV:
         return sum(pool.numel() * pool.element_size() for pool in self.pools)
 
     def step(self, slots: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVStep:
-        """tree: (rotary offsets, hidden bits) per row of a step with token trees."""
+        """tree: (rotary positions, hidden bits) per row of a step with token trees."""
         return KVStep(self.layers, self.table, slots) if tree is None else KVStep(self.layers, self.table, slots, *tree)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:

@@ -201,12 +201,10 @@ class Chain:
     def accept_path(self, accepted: list[int]) -> None:
         """A token tree's verdict: the draft tokens accepted; each member learns how many of its own tokens that is
         (the most of its candidates')."""
-        best: dict[int, tuple[Speculator, int]] = {}
+        best: dict[Speculator, int] = {}
         for member, tokens in self.tree:
-            n = common_prefix(tokens, accepted)
-            if n >= best.get(id(member), (member, -1))[1]:
-                best[id(member)] = (member, n)
-        for member, n in best.values():
+            best[member] = max(best.get(member, 0), common_prefix(tokens, accepted))
+        for member, n in best.items():
             member.accept(n)
         self.tree = []
 
@@ -248,13 +246,13 @@ def draft_candidates(asks: list[DraftAsk], every: list[bool]) -> list[list[tuple
 
     def keep(i: int, member: Speculator, tokens: list[int]) -> None:
         if tokens:
+            chain, history, last, n_max, _ = asks[i]
+            chain._last = chain._last or member  # (the first member that drafted)
             found[i].append((member, tokens))
             if every[i]:
-                _, history, last, n_max, _ = asks[i]
                 found[i] += [(member, alt) for alt in member.alternatives(history, last, n_max, tokens)]
-            asks[i][0]._last = member if len(found[i]) == 1 else asks[i][0]._last
-            if not every[i]:
-                position[i] = len(asks[i][0].members)
+            else:
+                position[i] = len(chain.members)
 
     while pending:
         together: dict[ProposeTogether, list[int]] = {}
