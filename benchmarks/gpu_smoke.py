@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = ["tests/test_kernels.py", "tests/test_graph_buckets.py", "tests/test_cuda_builds.py",
              "tests/test_kv_blocks.py", "tests/test_kv_pool.py", "tests/test_batch_invariant.py",
              "tests/test_sampling.py", "tests/test_lora.py", "tests/test_host_cache.py",
-             "tests/test_kv_types.py"]
+             "tests/test_kv_types.py", "tests/test_token_tree_cuda.py"]
 BIG_SLOTS, BIG_CTX = 64, 1 << 20
 MIN_RATIO = 0.95  # one client on the large pool against the small one
 

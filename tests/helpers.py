@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -13,6 +13,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.tasks import Chunk, Failure, Result, Task, TaskHandle
 from specserve.gguf.tokenizer import Tokenizer
 from specserve.model.batch import Batch
+from specserve.model.token_tree import TokenTree
 from specserve.speculative.base import SpecParams
 from specserve.speculative.factory import build_chain
 
@@ -28,6 +29,51 @@ def prefill(runner, seq: int, tokens: list[int], n_batch: int = 512, start: int 
         logits = runner.forward(batch)[0]
     assert logits is not None
     return logits
+
+
+def ancestors(tree: TokenTree, i: int) -> set[int]:
+    """Node i and the nodes above it."""
+    out = {i}
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        out.add(i)
+    return out
+
+
+def check_tree_step(runner, prompt: list[int], tokens: list[int],
+                    same: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """A tree step of sequence 0 after `prompt` (three candidates over five tokens a..e) gives each node the
+    logits of its path decoded as a plain draft, and after kv_compact of the third candidate's branch the next
+    step continues as if only that path had been decoded; `same` says how close is equal on this runner."""
+    a, b, c, d, e = tokens
+    tree = TokenTree.merge(a, [[b, c], [b, d], [e, c, d]])
+    start = len(prompt)
+    runner.kv_truncate(0, 0)
+    prefill(runner, 0, prompt)
+    batch = Batch()
+    batch.add_tree(tree, start, 0)
+    got = runner.forward(batch).clone()
+
+    def alone(path_tokens: list[int]) -> torch.Tensor:
+        runner.kv_truncate(0, start)
+        chain = Batch()
+        chain.add_sequence(path_tokens, start, 0, "all")
+        return runner.forward(chain)[-1].clone()
+
+    paths = [sorted(ancestors(tree, i)) for i in range(len(tree))]
+    for i, path in enumerate(paths):
+        same(got[i], alone([tree.tokens[j] for j in path]))
+    path = [0, 4, 5]  # a, e, c: the third candidate's branch, which must move down two positions
+    assert [tree.tokens[i] for i in path] == [a, e, c] and paths[5] == path
+    want = alone([a, e, c, d])
+    runner.kv_truncate(0, start)
+    runner.forward(batch)
+    runner.kv_compact(0, start, path)
+    assert runner.seq_len[0] == start + len(path)
+    after = Batch()
+    after.add_sequence([d], start + len(path), 0)
+    same(runner.forward(after)[0], want)
+    runner.kv_truncate(0, 0)
 
 
 @contextmanager

@@ -20,17 +20,9 @@ from specserve.model.batch import Batch
 from specserve.model.token_tree import MAX_TREE_NODES, TokenTree
 from specserve.speculative.base import Chain, SpecParams
 from specserve.speculative.ngram_suffix import NgramSuffix
-from tests.helpers import prefill
+from tests.helpers import ancestors, check_tree_step
 from tests.test_draft_chains import Fixed
 from tests.test_speculative_e2e import CODE_EDIT
-
-
-def ancestors(tree: TokenTree, i: int) -> set[int]:
-    out = {i}
-    while tree.parents[i] >= 0:
-        i = tree.parents[i]
-        out.add(i)
-    return out
 
 
 def test_merge_shares_prefixes_and_keeps_the_first_path_first() -> None:
@@ -113,37 +105,9 @@ def same(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_runner_tree_step_matches_each_branch_alone(smollm_runner, smollm_tokenizer) -> None:
     """A tree step's logits per node are those of its path evaluated as a plain draft after the same cache, and
     once the accepted path's K/V are compacted the next step continues as if only that path had been decoded."""
-    runner, tok = smollm_runner, smollm_tokenizer
+    tok = smollm_tokenizer
     prompt = tok.encode("def add(a, b):\n    return", add_special=False)
-    a, b, c, d, e = tok.encode(" a + b + c d e", add_special=False)[:5]
-    tree = TokenTree.merge(a, [[b, c], [b, d], [e, c, d]])
-    start = len(prompt)
-    runner.kv_truncate(0, 0)
-    prefill(runner, 0, prompt)
-    batch = Batch()
-    batch.add_tree(tree, start, 0)
-    got = runner.forward(batch)
-
-    def alone(path_tokens: list[int]) -> torch.Tensor:
-        runner.kv_truncate(0, start)
-        chain = Batch()
-        chain.add_sequence(path_tokens, start, 0, "all")
-        return runner.forward(chain)[-1]
-
-    paths = [sorted(ancestors(tree, i)) for i in range(len(tree))]
-    for i, path in enumerate(paths):
-        same(got[i], alone([tree.tokens[j] for j in path]))
-    path = [0, 4, 5]  # a, e, c: the third candidate's branch, which must move down two positions
-    assert [tree.tokens[i] for i in path] == [a, e, c] and paths[5] == path
-    want = alone([a, e, c, d])
-    runner.kv_truncate(0, start)
-    runner.forward(batch)
-    runner.kv_compact(0, start, path)
-    assert runner.seq_len[0] == start + len(path)
-    after = Batch()
-    after.add_sequence([d], start + len(path), 0)
-    same(runner.forward(after)[0], want)
-    runner.kv_truncate(0, 0)
+    check_tree_step(smollm_runner, prompt, tok.encode(" a + b + c d e", add_special=False)[:5], same)
 
 
 @pytest.mark.parametrize("wrong_first", [True, False])
