@@ -60,7 +60,7 @@ def step_graph(runner: LocalRunner, rows: int, context: int, chunk: int) -> torc
     torch.cuda.synchronize()
     key = runner.graphs.graph_key(rows + chunk, rows + (chunk > 0))
     assert key is not None, f"no graph takes {rows} rows"
-    return runner.graphs.graphs[(*key, 0)].graph
+    return runner.graphs.graphs[(*key, 0, False)].graph
 
 
 def profile_graph(g: torch.cuda.CUDAGraph, reps: int = 5) -> list[tuple[str, float, int]]:

@@ -90,7 +90,7 @@ def make_runner(fmt: str, n_ctx: int = 1024, n_seqs: int = 1) -> LocalRunner:
 
 def graph_at(runner: LocalRunner, rows: int, base: int = 600) -> torch.cuda.CUDAGraph:
     """The captured graph for `rows` rows (parity 0), its inputs set to rows at positions base.. of sequence 0."""
-    step = runner.graphs.graphs[(rows, False, 0)]
+    step = runner.graphs.graphs[(rows, 0, 0, False)]
     host = step.inputs.write()  # pinned: the graph's first node uploads them
     host[0] = [7 * i + 3 for i in range(rows)]
     host[1] = range(base, base + rows)

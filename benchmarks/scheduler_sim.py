@@ -83,7 +83,7 @@ class FakeRunner(LedgerOnlyKV):
     def draft_limit(self, n_max: int) -> int:
         return min(n_max, 15)  # a verify step within 16 rows, as packed weights on CUDA
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0, trees: int = 0) -> None:
         pass
 
     def memory_info(self) -> dict[str, int]:

@@ -75,7 +75,7 @@ class FakeRunner(LedgerOnlyKV):
         self.ledger.admit(batch, fed)
         return FakeStep(batch, self.vocab_size, self.step_s)
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0, trees: int = 0) -> None:
         time.sleep(self.warmup_s)
 
     def memory_info(self) -> dict[str, int]:

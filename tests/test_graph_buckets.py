@@ -53,7 +53,7 @@ def test_prompt_graphs_match_eager(weight_format: str) -> None:
                for graphs in (True, False)]
     assert runners[0].max_step_rows == (16 if weight_format == "gguf" else None)  # drafts fit one kernel pass
     runners[0].warmup(1, prompt_rows=40)
-    assert {(48, 1, 0), (48, 1, 1)} <= runners[0].graphs.graphs.keys()  # warm-up: bucket 48 holds 40 rows
+    assert {(48, 1, 0, False), (48, 1, 1, False)} <= runners[0].graphs.graphs.keys()  # warm-up: bucket 48 holds 40 rows
     prompt = [(11 * i + 5) % cfg.vocab_size for i in range(700)]
     logits = []
     for runner in runners:
@@ -133,7 +133,7 @@ def test_a_chunk_beside_decode_rows_matches_eager(weight_format: str) -> None:
                                         n_seqs=3, n_ctx=1024, weight_format=weight_format, cuda_graphs=graphs)
                for graphs in (True, False)]
     runners[0].warmup(1, prompt_rows=128)
-    assert (128, 16, 0) in runners[0].graphs.graphs  # warm-up: a chunk beside a decode row of each other slot
+    assert (128, 16, 0, False) in runners[0].graphs.graphs  # warm-up: a chunk beside a decode row of each other slot
     results = []
     for runner in runners:
         for seq in (0, 1):

@@ -1,5 +1,6 @@
-"""Token trees on CUDA: the eager tree step (Triton attention with the tree mask, rotary positions from the host)
-and kv_compact's row moves on the device, against each branch decoded alone; random weights in a small shape."""
+"""Token trees on CUDA: the tree step replayed from its CUDA graph (Triton attention with the tree mask, rotary
+positions from the host) and kv_compact's row moves on the device, against each branch decoded alone; random
+weights in a small shape."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def test_cuda_tree_step_matches_each_branch_alone(weight_format: str) -> None:
                               head_dim=64, ffn=512, vocab_size=300)
     runner = LocalRunner.from_weights(cfg, random_weights(cfg, torch.bfloat16, torch.device("cuda"), seed=7),
                                       n_seqs=2, n_ctx=1024, weight_format=weight_format, cuda_graphs=True)
-    runner.warmup(8)  # plain steps replay graphs; the tree step must take the eager path beside them
+    runner.warmup(8, trees=8)
+    assert {(6, 0, 0, True), (6, 0, 1, True), (8, 0, 1, True)} <= runner.graphs.graphs.keys()
+    replays = []
+    launch = runner.graphs.launch
+
+    def counting(*args, **kwargs):
+        step = launch(*args, **kwargs)
+        replays.append(step is not None and kwargs.get("tree", args[4] if len(args) > 4 else None) is not None)
+        return step
+
+    runner.graphs.launch = counting
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(300)]  # past one KV block: the tree crosses a boundary
     check_tree_step(runner, prompt, [11, 22, 33, 44, 55], close)
+    assert sum(replays) == 2  # both tree steps replayed their graph

@@ -93,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runner = session.runner
     for r in (runner, session.draft_runner):
         if r is not None:
-            r.warmup(17)
+            r.warmup(17, trees=args.draft_tree if r is runner else 0)
     rows: list[tuple[str, float, str]] = []
 
     def record(name: str, rate: float, note: str = "") -> None:

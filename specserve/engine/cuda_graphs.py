@@ -14,6 +14,11 @@ pool), and copies them into pinned memory of its own as its last node. So the st
 one queued behind it never share an input buffer, an output buffer or an argmax row, and the host never
 waits for a step to finish before queuing the next.
 
+A step with token trees (Batch.tree_layout) replays graphs of their own, every-row buckets only, whose inputs
+have two more rows: each row's rotary position and its 64-bit word of hidden tree positions (the attention
+kernel's tree mask is compiled into them). Without them a tree step ran eagerly, ~4x a graph step's time at
+one client (1.5B model, H100), which cost more than the tree's extra accepted tokens won.
+
 Steps of up to 16 rows return logits for every row; the caller picks the rows it wants. Larger
 batches (up to 512 rows) compute the logits of only the rows they want, up to a bucket of `picks`
 rows whose indices are a sixth input row: a prompt chunk wants one row or none, a chunk read beside
@@ -46,6 +51,9 @@ PICK_BUCKETS = [1, 16, 64, 256, 512]  # logit rows of the picked graphs
 PICKS_FROM = 16  # batches of more rows compute the logits of the rows they want only (a bucket of them)
 RING_ROWS = MAX_LOGIT_ROWS  # argmax rows a step can leave for the next one to take its tokens from
 
+GraphKey = tuple[int, int, int, bool]  # (rows, picks (0: every row), parity, token trees)
+TreeRows = tuple[torch.Tensor, torch.Tensor]  # per row: rotary position, hidden tree positions (KVStep)
+
 
 def bucket_for(n_rows: int, max_rows: int) -> int | None:
     for b in BUCKETS:
@@ -75,20 +83,23 @@ def feed_tokens(tokens: torch.Tensor, fed: torch.Tensor, previous_argmax: torch.
 
 class StepGraph(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    inputs: PinnedInputs  # [5, rows] (picked graphs: [6, rows], the wanted rows' indices at [5, :picks]);
+    inputs: PinnedInputs  # [5, rows] (picked graphs: [6, rows], the wanted rows' indices at [5, :picks]; tree
+    # graphs: [7, rows], rotary positions at [5] and hidden words at [6]);
     # its `done` event also says when the argmax is there
     logits: torch.Tensor
     argmax: np.ndarray  # pinned: each logit row's argmax, copied back by the last node
 
 
 class GraphCache:
-    """Captures `forward(tokens, positions, seq_ids, slots, logit_rows) -> logits` per bucket and parity, lazily."""
+    """Captures `forward(tokens, positions, seq_ids, slots, logit_rows, tree) -> logits` per bucket, parity and
+    whether a token tree is in the step, lazily."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor | None], torch.Tensor],
+                                          torch.Tensor | None, TreeRows | None], torch.Tensor],
                  device: torch.device, pad_seq: int, pad_slot: int, ring: torch.Tensor, max_rows: int = STEP_ROWS,
                  max_prompt_rows: int = PROMPT_ROWS):
-        """forward: fp32 logits of the rows in logit_rows (None: of every row). pad_seq, pad_slot: the scratch
+        """forward: fp32 logits of the rows in logit_rows (None: of every row), tree: (rotary positions, hidden
+        words) per row of a step with token trees, else None. pad_seq, pad_slot: the scratch
         sequence and KV slot padding rows use. ring: [2, RING_ROWS] long, the argmax rows of the last two steps
         (shared with the runner's eager path)."""
         self.forward = forward
@@ -99,7 +110,7 @@ class GraphCache:
         self.max_rows = max_rows
         self.max_prompt_rows = max_prompt_rows
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, int], StepGraph] = {}  # (rows, picks (0: every row), parity) -> graph
+        self.graphs: dict[GraphKey, StepGraph] = {}
 
     def graph_key(self, n_rows: int, n_wanted: int) -> tuple[int, int] | None:
         """The graph a batch of n_rows rows wanting n_wanted rows' logits replays: (row bucket, picks: the
@@ -115,7 +126,7 @@ class GraphCache:
             return (rows, 0) if rows <= self.max_rows else (rows, rows)
         return rows, picks
 
-    def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int) -> None:
+    def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int, tree: bool = False) -> None:
         if start >= inputs.shape[1]:  # an exact bucket (every step of up to 16 rows): even empty writes cost
             return
         inputs[0, start:] = 0
@@ -123,6 +134,8 @@ class GraphCache:
         inputs[2, start:] = self.pad_seq
         inputs[3, start:] = -1
         inputs[4, start:] = self.pad_slot
+        if tree:  # rotary position 0, nothing hidden
+            inputs[5:7, start:] = 0
 
     def capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
@@ -138,19 +151,20 @@ class GraphCache:
             out = fn()
         return graph, out
 
-    def _capture(self, key: tuple[int, int, int]) -> StepGraph:
-        rows, picks, parity = key
-        initial = torch.zeros((6 if picks else 5, rows), dtype=torch.long)
-        self._pad_rows(initial, 0)
+    def _capture(self, key: GraphKey) -> StepGraph:
+        rows, picks, parity, tree = key
+        initial = torch.zeros((7 if tree else 6 if picks else 5, rows), dtype=torch.long)
+        self._pad_rows(initial, 0, tree)
         inputs = PinnedInputs(initial, self.device)
         pick = inputs.on_device[5, :picks] if picks else None
+        tree_rows = (inputs.on_device[5], inputs.on_device[6]) if tree else None
         host_argmax = torch.zeros(picks or rows, dtype=torch.long, pin_memory=True)
         mine, previous = self.ring[parity], self.ring[1 - parity]
 
         def step() -> torch.Tensor:
             device_in = inputs.upload()
             tokens = feed_tokens(device_in[0], device_in[3], previous)
-            logits = self.forward(tokens, device_in[1], device_in[2], device_in[4], pick)
+            logits = self.forward(tokens, device_in[1], device_in[2], device_in[4], pick, tree_rows)
             argmax = logits.argmax(dim=-1)
             if pick is not None:
                 mine.index_copy_(0, pick, argmax)
@@ -162,30 +176,33 @@ class GraphCache:
         graph, logits = self.capture(step)
         return StepGraph(graph, inputs, logits, host_argmax.numpy())
 
-    def capture_up_to(self, n_rows: int, prompt_rows: int = 0, mixed_picks: int = 1) -> None:
+    def capture_up_to(self, n_rows: int, prompt_rows: int = 0, mixed_picks: int = 1, trees: int = 0) -> None:
         """Capture every bucket a step of up to n_rows rows takes now, and those of batches of up to
         prompt_rows rows wanting one row's logits (prompt chunks) or up to mixed_picks rows' (a chunk
-        beside decode rows), both parities, so no capture lands inside a request or a timed run."""
+        beside decode rows), both parities, so no capture lands inside a request or a timed run; and the tree
+        graphs of steps of up to `trees` rows."""
         keys = {self.graph_key(b, b) for b in buckets_up_to(n_rows, self.max_rows)}
         top = pick_bucket(mixed_picks, self.max_prompt_rows) or 1
         for b in buckets_up_to(prompt_rows, self.max_prompt_rows):
             keys |= {self.graph_key(b, p) for p in PICK_BUCKETS if p <= top} if b > PICKS_FROM else set()
-        for rows, picks in sorted(k for k in keys if k is not None):
+        wanted = [(k[0], k[1], False) for k in keys if k is not None]
+        wanted += [(b, 0, True) for b in buckets_up_to(trees, self.max_rows)] if trees else []
+        for rows, picks, tree in sorted(wanted):
             for parity in (0, 1):
-                if (rows, picks, parity) not in self.graphs:
-                    self.graphs[rows, picks, parity] = self._capture((rows, picks, parity))
+                if (rows, picks, parity, tree) not in self.graphs:
+                    self.graphs[rows, picks, parity, tree] = self._capture((rows, picks, parity, tree))
 
-    def launch(self, batch: Batch, slots: Sequence[int], fed: Sequence[int] | None,
-               parity: int) -> LaunchedStep | None:
-        """Queue the batch (slots: each row's KV pool slot; fed: see the module docstring), or None where no graph
-        takes it."""
+    def launch(self, batch: Batch, slots: Sequence[int], fed: Sequence[int] | None, parity: int,
+               tree: tuple[list[int], list[int]] | None = None) -> LaunchedStep | None:
+        """Queue the batch (slots: each row's KV pool slot; fed: see the module docstring; tree: the batch's
+        Batch.tree_layout()), or None where no graph takes it."""
         n = len(batch)
         wanted = batch.logit_rows()
         key = self.graph_key(n, len(wanted))
-        if key is None:
+        if key is None or (tree is not None and key[1]):  # tree graphs compute every row's logits
             return None
         rows, picks = key
-        full = (rows, picks, parity)
+        full = (rows, picks, parity, tree is not None)
         if full not in self.graphs:
             self.graphs[full] = self._capture(full)
         step = self.graphs[full]
@@ -195,7 +212,9 @@ class GraphCache:
         host[2, :n] = batch.seq_ids
         host[3, :n] = -1 if fed is None else fed
         host[4, :n] = slots
-        self._pad_rows(host, n)
+        if tree is not None:
+            host[5, :n], host[6, :n] = tree
+        self._pad_rows(host, n, tree is not None)
         if picks:  # the padding repeats the last wanted row: its argmax lands in the same ring slot
             host[5, :len(wanted)] = wanted
             host[5, len(wanted):picks] = wanted[-1] if wanted else 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.cuda_graphs import PROMPT_ROWS, RING_ROWS, GraphCache, feed_tokens
+from specserve.engine.cuda_graphs import PROMPT_ROWS, RING_ROWS, GraphCache, TreeRows, feed_tokens
 from specserve.engine.host_copy import LaunchedStep
 from specserve.errors import NotSupported, SpecserveError
 from specserve.gguf.reader import GGUFFile
@@ -187,12 +187,12 @@ class LocalRunner:
         """The forward the runner drives (a tensor-parallel shard runner builds its rank's instead)."""
         return Transformer(config, weights, self.n_ctx, self.kernels)
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS, sequences: int = 0) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = PROMPT_ROWS, sequences: int = 0, trees: int = 0) -> None:
         """Capture the CUDA graphs for steps of up to max_rows rows and prompt chunks of up to
-        prompt_rows, alone or beside a decode row of each of the other `sequences` a step may serve (0: all)
-        (no-op without graphs)."""
+        prompt_rows, alone or beside a decode row of each of the other `sequences` a step may serve (0: all),
+        and for steps of up to `trees` rows holding token trees (no-op without graphs)."""
         if self.graphs is not None:
-            self.graphs.capture_up_to(max_rows, prompt_rows, mixed_picks=sequences or self.n_seqs)
+            self.graphs.capture_up_to(max_rows, prompt_rows, mixed_picks=sequences or self.n_seqs, trees=trees)
             freeze_gc()
 
     @property
@@ -219,8 +219,8 @@ class LocalRunner:
         parity = self._launches % 2
         self._launches += 1
         tree = batch.tree_layout()
-        step = self.graphs.launch(batch, admitted.slots, fed, parity) if self.graphs is not None and not tree else None
-        if step is None:  # no graph takes a batch of this shape (nor a token tree)
+        step = self.graphs.launch(batch, admitted.slots, fed, parity, tree) if self.graphs is not None else None
+        if step is None:  # no graph takes a batch of this shape
             step = self._launch_eager(batch, admitted.runs, admitted.slots, fed, parity, tree)
         return step
 
@@ -229,10 +229,11 @@ class LocalRunner:
         return self.launch(batch).logits()
 
     def _forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                           slots: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+                           slots: torch.Tensor, logit_rows: torch.Tensor | None,
+                           tree: TreeRows | None = None) -> torch.Tensor:
         """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
         capture)."""
-        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv.step(slots))
+        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv.step(slots, tree))
 
     def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], slots: list[int],
                       fed: Sequence[int] | None, parity: int,

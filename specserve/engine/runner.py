@@ -118,9 +118,10 @@ class Runner(Protocol):
         """The most draft tokens a verify step should carry (n_max or fewer)."""
         ...
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0, trees: int = 0) -> None:
         """Prepare steps of up to max_rows rows (e.g. capture CUDA graphs) before serving, and prompt chunks of up
-        to prompt_rows beside a row of each of up to `sequences` others (0: every sequence)."""
+        to prompt_rows beside a row of each of up to `sequences` others (0: every sequence), and steps of up to
+        `trees` rows holding token trees (where the runner takes them: `token_trees`)."""
         ...
 
     def memory_info(self) -> dict[str, int]: ...

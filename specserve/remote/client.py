@@ -280,7 +280,7 @@ class RemoteRunner:
         rows = self.max_step_rows
         return n_max if rows is None else min(n_max, rows - 1)
 
-    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0) -> None:
+    def warmup(self, max_rows: int = 17, prompt_rows: int = 512, sequences: int = 0, trees: int = 0) -> None:
         self._call("warmup", max_rows=max_rows, prompt_rows=prompt_rows, sequences=sequences)
 
     def memory_info(self) -> dict[str, int]:

@@ -99,7 +99,9 @@ def load_model(settings: ServerSettings, progress: bool = True) -> tuple[Runner,
                                                  adapters=[path for path, _ in settings.lora])
     build_chain(settings.spec)  # fail now, not per request, on e.g. a missing static lookup cache
     # Capture the CUDA graphs of decode/verify steps now (a no-op on CPU), not inside the first requests.
-    runner.warmup(max_rows=settings.n_parallel * (1 + settings.spec.n_max), sequences=settings.n_parallel)
+    spec = settings.spec
+    trees = settings.n_parallel * max(1 + spec.n_max, spec.tree_nodes) if spec.tree_nodes else 0
+    runner.warmup(max_rows=settings.n_parallel * (1 + spec.n_max), sequences=settings.n_parallel, trees=trees)
     if draft_runner is not None:  # the slots draft together: a row each per draft token
         draft_runner.warmup(max_rows=settings.n_parallel, sequences=settings.n_parallel)
     return runner, draft_runner, path
