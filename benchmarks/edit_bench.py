@@ -124,6 +124,7 @@ def mode_fields(mode: str, prediction: str | None) -> dict[str, Any]:
             raise ValueError(f"bad mode {mode!r}")
         else:
             out["speculative.type"] = part
+    out.setdefault("speculative.tree_nodes", 0)  # a chain, whatever the server's --draft-tree says
     return out
 
 

@@ -99,7 +99,8 @@ for step in $steps; do
             done ;;
         edits) # issue 42's table: whole-file edits (predictions, suffix matches, token trees) and the agent loop, one
                # request at a time through specserve serve
-            python3 -m specserve.cli serve -m $T --weight-format "$FORMAT" -np 1 -c 32768 --port 8097 \
+            # --draft-tree: the tree graphs are captured at start (modes without a tree part send tree_nodes 0)
+            python3 -m specserve.cli serve -m $T --weight-format "$FORMAT" -np 1 -c 32768 --port 8097 --draft-tree 16 \
                 > "$OUT/edits_server.log" 2>&1 &
             server=$!
             for _ in $(seq 120); do curl -sf http://127.0.0.1:8097/health > /dev/null && break; sleep 1; done
