@@ -45,17 +45,19 @@ def fill(runner: LocalRunner, n_seqs: int, context: int) -> None:
 
 def step_graph(runner: LocalRunner, rows: int, context: int, chunk: int) -> torch.cuda.CUDAGraph:
     """The graph a step of a decode row for each of sequences 0..rows-1 (and a `chunk`-row prompt chunk of the
-    sequence after them) replays, its inputs set by two real launches (one per parity)."""
+    runner's last sequence, which no decode row uses) replays, its inputs set by two real launches (one per
+    parity)."""
     assert runner.graphs is not None
+    spare = runner.n_seqs - 1
     for _ in range(2):
         for seq in range(rows):
             runner.kv_truncate(seq, context)
-        runner.kv_truncate(rows, 0)
+        runner.kv_truncate(spare, 0)
         b = Batch()
         for seq in range(rows):
             b.add_sequence([11 + seq], context, seq, "last")
         if chunk:
-            b.add_sequence([(5 * i) % 1000 + 10 for i in range(chunk)], 0, rows, "last")
+            b.add_sequence([(5 * i) % 1000 + 10 for i in range(chunk)], 0, spare, "last")
         runner.launch(b).logits()
     torch.cuda.synchronize()
     key = runner.graphs.graph_key(rows + chunk, rows + (chunk > 0))
