@@ -24,7 +24,9 @@ modes are skipped.
 Every request streams /v1/chat/completions greedily (temperature 0) with max_tokens = the tokens of the file
 (edits) or of the longest tool output (agent loop), as /tokenize counts them, plus --extra-tokens; --max-tokens
 caps it. Each item first gets a 1-token request (its prompt then waits in the server's cache for every mode), then
-its modes one after another; --concurrency runs that many items at a time, so every mode meets the same load. Each
+its modes one after another; --concurrency runs that many items at a time, so every mode meets the same load
+(with --modes-in-turn, every item in one mode before the next mode: each mode then meets only itself, a clean A/B
+under load, where interleaved modes make a mode's rate depend on the others in flight beside it). Each
 mode of a run sends its own `speculative.scope`, so it drafts from the earlier answers of that mode only, never from
 an answer another mode gave for the same item (`--one-store`: one store for all).
 
@@ -359,23 +361,25 @@ class Settings:
     save_text: bool = False
     transport: httpx.AsyncBaseTransport | None = None  # tests: a stand-in server
     scope: str | None = None  # request_body's: None, every mode drafts from every earlier answer
+    modes_in_turn: bool = False  # every item in a mode before the next mode (run_items)
 
 
 async def run_items(settings: Settings, items: Sequence[Item], modes: Sequence[str],
                     max_tokens: dict[str, int]) -> list[ItemResult]:
     """Every item in every mode, the modes of an item one after another (after its priming request) and
-    `concurrency` items at a time, so that every mode meets the same load; results in the items' order."""
+    `concurrency` items at a time, so that every mode meets the same load (modes_in_turn: all items in one mode,
+    then the next mode); results in the items' order."""
     gate = asyncio.Semaphore(settings.concurrency)
     limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
     async with httpx.AsyncClient(base_url=settings.url, headers=settings.headers, timeout=settings.timeout,
                                  limits=limits, transport=settings.transport) as client:
 
-        async def one(item: Item) -> list[ItemResult]:
+        async def one(item: Item, item_modes: Sequence[str]) -> list[ItemResult]:
             out = []
             async with gate:
                 if settings.prime:
                     await stream_answer(client, request_body(item, "none", 1, settings.model))
-                for mode in modes:
+                for mode in item_modes:
                     body = request_body(item, mode, max_tokens[item.id], settings.model, settings.scope)
                     answer = await stream_answer(client, body)
                     out.append(item_result(item, mode, max_tokens[item.id], answer, settings.save_text))
@@ -385,8 +389,11 @@ async def run_items(settings: Settings, items: Sequence[Item], modes: Sequence[s
                   flush=True)
             return out
 
-        groups = await asyncio.gather(*(one(item) for item in items))
-    return [r for group in groups for r in group]
+        if not settings.modes_in_turn:
+            groups = await asyncio.gather(*(one(item, modes) for item in items))
+            return [r for group in groups for r in group]
+        by_mode = [await asyncio.gather(*(one(item, [mode]) for item in items)) for mode in modes]
+    return [by_mode[m][i][0] for i in range(len(items)) for m in range(len(modes))]
 
 
 async def warm_up(settings: Settings, item: Item, modes: Sequence[str]) -> None:
@@ -488,6 +495,8 @@ def main() -> int:
                    help="send the agent loop without its tool definitions (its answers then stream as plain text)")
     p.add_argument("--limit", type=int, default=None, help="only the first N items of each workload")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    p.add_argument("--modes-in-turn", action="store_true",
+                   help="run every item in one mode before the next mode (a clean A/B under --concurrency)")
     p.add_argument("--extra-tokens", type=int, default=64, help="max_tokens = tokens of the file/tool output + this")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on every request's max_tokens")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a request may take")
@@ -519,6 +528,7 @@ def main() -> int:
     model = server_model(url, headers)
     settings = Settings(url=url, headers=headers, timeout=args.timeout, model=args.model,
                         concurrency=max(1, args.concurrency), prime=not args.no_prime, save_text=args.save_texts,
+                        modes_in_turn=args.modes_in_turn,
                         scope=None if args.one_store else f"edit-bench-{time.time_ns()}")
     results: list[ItemResult] = []
     budgets: dict[str, dict[str, int]] = {}

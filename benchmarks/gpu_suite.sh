@@ -8,7 +8,7 @@
 # a large pool, 64 clients and greedy fidelity, as one table.
 # Usage: [FORMAT=gguf] [OUT=dir] [SERVE_MODES=none,ngram-simple] [ROUNDS=3] [CATEGORY=code_edit] [MIXES=long] bash
 #   benchmarks/gpu_suite.sh [smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests
-#   paged pool mixes kvtypes batchprofile edits]
+#   paged pool mixes kvtypes batchprofile edits treestep]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"
@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 shared_prompts="$PWD/../shared/workloads/prompts.json"
 [ -f "$shared_prompts" ] || shared_prompts="$PWD/.whl/prompts.json"
 export SPECSERVE_WORKLOADS="${SPECSERVE_WORKLOADS:-$shared_prompts}"
-T=qwen2.5-coder-1.5b
+T=${MODEL:-qwen2.5-coder-1.5b}  # the target model (MODEL: another catalog name or a file, e.g. for a dry run on a CPU)
 D=qwen2.5-coder-0.5b
 sfx=$([ "$FORMAT" = float ] && echo "" || echo "_$FORMAT")  # the results' file names, as in benchmarks/results/
 steps="${*:-kernels bench spec graphs serve}"
@@ -97,18 +97,25 @@ for step in $steps; do
                         --server-args --weight-format "$FORMAT" $flags 2>&1 | tail -3 | sed "s/^/$kv round $round: /"
                 done
             done ;;
-        edits) # issue 42's table: whole-file edits (predictions, suffix matches, token trees) and the agent loop, one
-               # request at a time through specserve serve
-            # --draft-tree: the tree graphs are captured at start (modes without a tree part send tree_nodes 0)
-            python3 -m specserve.cli serve -m $T --weight-format "$FORMAT" -np 1 -c 32768 --port 8097 --draft-tree 16 \
-                > "$OUT/edits_server.log" 2>&1 &
-            server=$!
-            for _ in $(seq 120); do curl -sf http://127.0.0.1:8097/health > /dev/null && break; sleep 1; done
-            timeout 900 python3 benchmarks/edit_bench.py --url http://127.0.0.1:8097 --limit 8 --max-tokens 512 \
-                --modes "${EDIT_MODES:-none,prediction,prediction+ngram-suffix,prediction+ngram-suffix+tree16,ngram-suffix,ngram-suffix+tree16}" \
-                --agent-modes "${AGENT_MODES:-none,ngram-suffix,ngram-suffix+tree16}" \
-                -o "$OUT/edit_${T}_cuda$sfx.json" 2>&1 | grep -v "^  " | tail -30
-            kill $server ;;
-        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes kvtypes batchprofile edits)" ;;
+        edits) # issue 42's table: whole-file edits (predictions, suffix matches, token trees) and the agent loop
+               # through specserve serve, at each of EDIT_CLIENTS (1: one request at a time; more: that many in flight
+               # on a server of as many slots, each mode in turn so that a mode meets only its own load)
+            for n in ${EDIT_CLIENTS:-1}; do
+                port=$((8097 + n))
+                # --draft-tree: the tree graphs are captured at start (modes without a tree part send tree_nodes 0)
+                python3 -m specserve.cli serve -m $T --weight-format "$FORMAT" -np $n -c $((n > 1 ? n * 16384 : 32768)) --port $port \
+                    --draft-tree 16 > "$OUT/edits_server_$n.log" 2>&1 &
+                server=$!
+                for _ in $(seq 150); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
+                timeout 900 python3 benchmarks/edit_bench.py --url http://127.0.0.1:$port --concurrency $n \
+                    $([ $n -gt 1 ] && echo "--modes-in-turn --limit 24 --max-tokens 256" || echo "--limit 8 --max-tokens 512") \
+                    --modes "${EDIT_MODES:-none,prediction,prediction+ngram-suffix,prediction+ngram-suffix+tree16,ngram-suffix,ngram-suffix+tree16}" \
+                    --agent-modes "${AGENT_MODES:-none,ngram-suffix,ngram-suffix+tree16}" \
+                    -o "$OUT/edit_${T}_cuda${sfx}_$n.json" 2>&1 | grep -v "^  " | tail -30
+                kill $server; wait $server
+            done ;;
+        treestep) # a token tree's verify step against a chain's, from graphs and eager (random weights)
+            (cd benchmarks && timeout 300 python3 tree_step_bench.py -o "$OUT/tree_step.json" 2>&1 | tail -10) ;;
+        *) echo "unknown step: $step (smoke kernels bench spec graphs serve fidelity remote remoteserve moe moellama slowtests paged pool mixes kvtypes batchprofile edits treestep)" ;;
     esac
 done

@@ -164,3 +164,14 @@ def test_a_run_compares_every_mode_with_none() -> None:
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
     shown = eb.table_rows(rows, "workload")
     assert shown[0]["speedup"] == "1.00x" and "prediction acc" not in shown[0]
+
+
+def test_modes_in_turn_finish_one_mode_before_the_next() -> None:
+    requests: list[dict[str, Any]] = []
+    settings = eb.Settings(url="http://test", headers={}, concurrency=2, transport=fake_server(requests),
+                           modes_in_turn=True)
+    items = eb.load_edits()[:3]
+    results = asyncio.run(eb.run_items(settings, items, ["none", "prediction"], {i.id: 1000 for i in items}))
+    sent = [("prediction" in r) for r in requests if r["max_tokens"] > 1]
+    assert sent == [False] * 3 + [True] * 3  # every item's plain answer before any prediction request
+    assert [(r.id, r.mode) for r in results] == [(i.id, m) for i in items for m in ("none", "prediction")]
