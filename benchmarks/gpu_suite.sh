@@ -107,11 +107,11 @@ for step in $steps; do
                     --draft-tree 16 > "$OUT/edits_server_$n.log" 2>&1 &
                 server=$!
                 for _ in $(seq 150); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 1; done
-                timeout 900 python3 benchmarks/edit_bench.py --url http://127.0.0.1:$port --concurrency $n \
+                timeout 900 python3 benchmarks/edit_bench.py --url http://127.0.0.1:$port --concurrency $n --save-texts \
                     $([ $n -gt 1 ] && echo "--modes-in-turn --limit 24 --max-tokens 256" || echo "--limit 8 --max-tokens 512") \
                     --modes "${EDIT_MODES:-none,prediction,prediction+ngram-suffix,prediction+ngram-suffix+tree16,ngram-suffix,ngram-suffix+tree16}" \
                     --agent-modes "${AGENT_MODES:-none,ngram-suffix,ngram-suffix+tree16}" \
-                    -o "$OUT/edit_${T}_cuda${sfx}_$n.json" 2>&1 | grep -v "^  " | tail -30
+                    -o "$OUT/edit_${T}_cuda${sfx}_$n.json" 2>&1 | grep -Ev "^  (edits|agent) [^ ]+ \([0-9]+ tokens\)" | tail -30
                 kill $server; wait $server
             done ;;
         treestep) # a token tree's verify step against a chain's, from graphs and eager (random weights)
