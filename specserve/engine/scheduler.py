@@ -199,7 +199,7 @@ class Scheduler:
         self._in_flight = self._launch(self.planner.plan(live)) if self.overlap and self._chainable(live) else None
         # While the device works: the speculators' bookkeeping. Skipped while no slot may draft (it catches up at
         # the next draft), since with many slots the host is what limits a step.
-        for entry in live if self.drafting.allowed else ():
+        for entry in live if self.drafting.allowed and not self.drafting.chained else ():
             slot = entry.slot
             if not entry.prompt and slot.use_chain and slot.chain is not None and slot.runs(entry.task_id):
                 try:
