@@ -197,8 +197,9 @@ class Scheduler:
         current = self._in_flight
         live = current.live()
         self._in_flight = self._launch(self.planner.plan(live)) if self.overlap and self._chainable(live) else None
-        # While the device works: the speculators' bookkeeping. Skipped while no slot may draft (it catches up at
-        # the next draft), since with many slots the host is what limits a step.
+        # While the device works: the speculators' bookkeeping. Skipped while no slot may draft and while drafts
+        # are chained (a slot drafts every few steps there): the next draft catches up, and with many slots the
+        # host is what limits a step.
         for entry in live if self.drafting.allowed and not self.drafting.chained else ():
             slot = entry.slot
             if not entry.prompt and slot.use_chain and slot.chain is not None and slot.runs(entry.task_id):
