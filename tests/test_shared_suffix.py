@@ -69,3 +69,20 @@ def test_requests_are_indexed_a_slice_at_a_time_and_added_at_their_end() -> None
     for _ in range(3):
         store.index_pending("s", budget=1024)
     assert store.lookup("s", history[2900:2950]) is not None
+
+
+def test_a_task_that_ended_between_drafts_joins_the_store_whole() -> None:
+    """Turns that skip the speculators' bookkeeping (chained drafts under load) leave the shared store's view of the
+    history behind; the task's end catches it up, so the store gets its prompt and all it generated."""
+    from types import SimpleNamespace
+
+    from specserve.engine.slot_results import Settler
+    from specserve.speculative.base import Chain
+
+    store = SuffixStore()
+    spec = SharedSuffix(SpecParams(type="ngram-suffix", scope="s"), store)
+    history = list(range(5000, 5400))
+    chain = Chain([spec])
+    chain.begin(history[:100])  # no prepare, no draft after the prompt
+    Settler._end_chain(object.__new__(Settler), SimpleNamespace(chain=chain, cache=history, chain_key=None, id=0))
+    assert store.sizes() == (1, 400)
