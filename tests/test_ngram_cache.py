@@ -336,12 +336,12 @@ def test_dynamic_file_is_created_loaded_and_merged(tmp_path: Path) -> None:
     assert not path.exists() and spec.dynamic == {}
     spec.begin([1, 2, 3])
     assert spec.draft([1, 2, 3], 1, n_max=4) == []  # (1,) -> 2 seen once: below the lax sample size
-    spec.end()
+    spec.end([1, 2, 3])
     first = load_cache(path)
     expected: NgramCache = {}
     update_cache(expected, [1, 2, 3, 1], 1, 4)
     assert first == expected
-    spec.end()  # nothing new: no double counting
+    spec.end([1, 2, 3])  # nothing new: no double counting
     assert load_cache(path) == expected
 
     # a new speculator loads it and uses it with the strict thresholds
@@ -349,7 +349,7 @@ def test_dynamic_file_is_created_loaded_and_merged(tmp_path: Path) -> None:
     again = make(dynamic=str(path))
     again.begin([6])
     assert again.draft([6], 7, n_max=4) == [8]
-    again.end()
+    again.end([6])
     merged = load_cache(path)
     assert merged[(6, 7)] == {8: 4} and merged[(6,)] == {7: 1}
 
@@ -361,8 +361,8 @@ def test_two_speculators_sharing_a_dynamic_file_keep_both_contributions(tmp_path
     a.draft([1, 2], 3, n_max=2)
     b.begin([4, 5])
     b.draft([4, 5], 6, n_max=2)
-    a.end()
-    b.end()
+    a.end([1, 2])
+    b.end([4, 5])
     cache = load_cache(path)
     assert cache[(1, 2)] == {3: 1} and cache[(4, 5)] == {6: 1}
 

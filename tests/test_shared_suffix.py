@@ -63,7 +63,7 @@ def test_requests_are_indexed_a_slice_at_a_time_and_added_at_their_end() -> None
     history = list(range(5000, 8000))
     spec.begin(history[:100])
     spec.prepare(history)
-    spec.end()  # the task's tokens join the store, not indexed yet
+    spec.end(history)  # the task's tokens join the store, not indexed yet
     assert store.sizes() == (1, 3000)
     assert store.lookup("s", history[2900:2950]) is None
     for _ in range(3):
@@ -72,8 +72,8 @@ def test_requests_are_indexed_a_slice_at_a_time_and_added_at_their_end() -> None
 
 
 def test_a_task_that_ended_between_drafts_joins_the_store_whole() -> None:
-    """Turns that skip the speculators' bookkeeping (chained drafts under load) leave the shared store's view of the
-    history behind; the task's end catches it up, so the store gets its prompt and all it generated."""
+    """Turns that skip the speculators' bookkeeping (chained drafts under load) see nothing of the history; the
+    task's end hands the slot's whole history to its chain, so the store gets its prompt and all it generated."""
     from types import SimpleNamespace
 
     from specserve.engine.slot_results import Settler

@@ -354,10 +354,7 @@ class Settler:
         if slot.chain is None:
             return
         try:
-            # What turns without bookkeeping skipped (chained or gated drafts), so that end() sees the whole history
-            # (the shared suffix store keeps it)
-            slot.chain.prepare(slot.cache)
-            slot.chain.end()  # e.g. ngram-cache saves its dynamic file
+            slot.chain.end(slot.cache)  # e.g. the shared suffix store takes the task's text
         except Exception:
             log.exception("speculator end() failed on slot %d", slot.id)
             slot.chain, slot.chain_key = None, None

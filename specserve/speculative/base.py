@@ -156,8 +156,9 @@ class Speculator(ABC):
             self.stats.acc_tokens += n_accepted
         self._accepted(n_accepted)
 
-    def end(self) -> None:  # noqa: B027 - optional hook
-        """The generation is over (e.g. save a dynamic cache)."""
+    def end(self, history: list[int]) -> None:  # noqa: B027 - optional hook
+        """The generation is over, `history` what it holds (its prompt and what it kept): e.g. save a dynamic
+        cache. Turns that skip `prepare` leave a speculator's view of the history behind; this one is whole."""
 
     def alternatives(self, history: list[int], last_sampled: int, n_max: int, first: list[int]) -> list[list[int]]:
         """Other continuations than `first` (this speculator's draft just made), each starting with another token,
@@ -208,9 +209,9 @@ class Chain:
             member.accept(n)
         self.tree = []
 
-    def end(self) -> None:
+    def end(self, history: list[int]) -> None:
         for m in self.members:
-            m.end()
+            m.end(history)
 
     def totals(self) -> SpecStats:
         total = SpecStats()

@@ -336,8 +336,9 @@ class NgramCacheSpeculator(Speculator):
         self._sync_context(history, last_sampled)
         return draft_from_caches(self._seen, n_max, self.context, self.dynamic, self.static)
 
-    def end(self) -> None:
-        """Fold this generation into the dynamic cache and save it (if a file was given)."""
+    def end(self, history: list[int]) -> None:
+        """Fold this generation into the dynamic cache and save it (if a file was given). (What the context cache
+        learned from the drafts: `history` is not read.)"""
         if not self.context:
             return
         if self.dynamic_path is not None:

@@ -139,18 +139,14 @@ class SharedSuffix(Speculator):
         self.scope = params.scope
         self.store = store
         self.own = own
-        self._history: list[int] = []
 
     def begin(self, prompt: list[int]) -> None:
-        self._history = prompt
         self.store.index_pending(self.scope)
 
     def prepare(self, history: list[int]) -> None:
-        self._history = history
         self.store.index_pending(self.scope)
 
     def _propose(self, history: list[int], last_sampled: int, n_max: int) -> list[int]:
-        self._history = history
         match = self.store.lookup(self.scope, history[-LONGEST:] + [last_sampled])
         if match is None:
             return []
@@ -161,7 +157,6 @@ class SharedSuffix(Speculator):
         n = min(n_max, self.size_m, k + DRAFT_BEYOND_MATCH)
         return tokens[end + 1:end + 1 + n]
 
-    def end(self) -> None:
+    def end(self, history: list[int]) -> None:
         """The task is over: its tokens join the store (the slot's history: its prompt and what it kept)."""
-        self.store.add(self.scope, self._history)
-        self._history = []
+        self.store.add(self.scope, history)
