@@ -2,7 +2,7 @@
 
 Speed does not depend on weight values, so kernel work needs no model file: `make_runner("gguf_like")`
 quantizes random weights in the layout of the real Q4_K_M file, and `step_gpu_us` times graph replays.
-Shared by kernel_bench.py, engine_bench.py and ab_trees.py; it uses only the runner's public pieces so
+Shared by kernel_bench.py, engine_bench.py, tree_step_bench.py and ab_trees.py; it uses only the runner's public pieces so
 that ab_trees.py can time another package tree with it.
 """
 
@@ -19,6 +19,7 @@ from specserve.kernels import settings as kernel_settings
 from specserve.kernels.quant_weight import QuantWeight
 from specserve.model.batch import Batch
 from specserve.model.random_init import SHAPES, random_weights
+from specserve.model.token_tree import TokenTree
 from specserve.model.weights import ModelWeights
 
 MODEL = "qwen2.5-coder-1.5b"
@@ -132,13 +133,17 @@ class StandInTokenizer:
         return False
 
 
-def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40) -> float:
-    """Median wall ms of runner.forward for n_rows new rows at context `base` (host work included)."""
+def step_ms(runner: LocalRunner, n_rows: int, base: int = 600, reps: int = 40, tree: TokenTree | None = None) -> float:
+    """Median wall ms of runner.forward for n_rows new rows at context `base` (host work included); with `tree`,
+    the step verifies that token tree instead."""
     times = []
     for _ in range(reps):
         runner.kv_truncate(0, base)
         batch = Batch()
-        batch.add_sequence([(7 * i + 3) % CFG.vocab_size for i in range(n_rows)], base, 0, "all")
+        if tree is not None:
+            batch.add_tree(tree, base, 0)
+        else:
+            batch.add_sequence([(7 * i + 3) % CFG.vocab_size for i in range(n_rows)], base, 0, "all")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = runner.forward(batch)

@@ -8,11 +8,10 @@ eagerly, on qwen2.5-coder-1.5b's shape with random weights (speed does not depen
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from bench_output import output_path, print_table, write_json
-from random_model import CFG, make_runner
+from random_model import CFG, make_runner, step_ms
 
 from specserve.model.batch import Batch
 from specserve.model.token_tree import TokenTree
@@ -25,23 +24,6 @@ def tree_of(rows: int) -> TokenTree:
     left = [(11 * i + 5) % CFG.vocab_size for i in range((rows - 1 + 1) // 2)]
     right = [(13 * i + 9) % CFG.vocab_size for i in range((rows - 1) // 2)]
     return TokenTree.merge(3, [left, right] if right else [left])
-
-
-def step_ms(runner, rows: int, tree: bool, reps: int = 40) -> float:
-    """Median wall ms of one verify step of `rows` rows of sequence 0 after BASE tokens."""
-    times = []
-    for _ in range(reps):
-        runner.kv_truncate(0, BASE)
-        batch = Batch()
-        if tree:
-            batch.add_tree(tree_of(rows), BASE, 0)
-        else:
-            batch.add_sequence([(7 * i + 3) % CFG.vocab_size for i in range(rows)], BASE, 0, "all")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.forward(batch).argmax(-1).tolist()  # the sampler's sync
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -57,11 +39,11 @@ def main() -> None:
     runner.forward(prompt)
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
-        row = {"rows": rows, "chain_ms": round(step_ms(runner, rows, False), 3)}
+        row = {"rows": rows, "chain_ms": round(step_ms(runner, rows, BASE), 3)}
         if rows > 2:
-            row["tree_graph_ms"] = round(step_ms(runner, rows, True), 3)
+            row["tree_graph_ms"] = round(step_ms(runner, rows, BASE, tree=tree_of(rows)), 3)
             graphs, runner.graphs = runner.graphs, None  # the eager path, as tree steps ran before 6f70951
-            row["tree_eager_ms"] = round(step_ms(runner, rows, True, reps=10), 3)
+            row["tree_eager_ms"] = round(step_ms(runner, rows, BASE, reps=10, tree=tree_of(rows)), 3)
             runner.graphs = graphs
         table.append(row)
     print_table(table, ["rows", "chain_ms", "tree_graph_ms", "tree_eager_ms"])

@@ -52,6 +52,7 @@ PICKS_FROM = 16  # batches of more rows compute the logits of the rows they want
 RING_ROWS = MAX_LOGIT_ROWS  # argmax rows a step can leave for the next one to take its tokens from
 
 GraphKey = tuple[int, int, int, bool]  # (rows, picks (0: every row), parity, token trees)
+TREE_INPUT_ROWS = 7  # a tree graph's input rows: the five of every graph, rotary positions, hidden words
 TreeRows = tuple[torch.Tensor, torch.Tensor]  # per row: rotary position, hidden tree positions (KVStep)
 
 
@@ -126,7 +127,7 @@ class GraphCache:
             return (rows, 0) if rows <= self.max_rows else (rows, rows)
         return rows, picks
 
-    def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int, tree: bool = False) -> None:
+    def _pad_rows(self, inputs: torch.Tensor | np.ndarray, start: int) -> None:
         if start >= inputs.shape[1]:  # an exact bucket (every step of up to 16 rows): even empty writes cost
             return
         inputs[0, start:] = 0
@@ -134,8 +135,8 @@ class GraphCache:
         inputs[2, start:] = self.pad_seq
         inputs[3, start:] = -1
         inputs[4, start:] = self.pad_slot
-        if tree:  # rotary position 0, nothing hidden
-            inputs[5:7, start:] = 0
+        if len(inputs) == TREE_INPUT_ROWS:  # rotary position 0, nothing hidden
+            inputs[5:, start:] = 0
 
     def capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Run fn twice on a side stream (Triton compiles, cuBLAS picks kernels), then capture it
@@ -153,8 +154,8 @@ class GraphCache:
 
     def _capture(self, key: GraphKey) -> StepGraph:
         rows, picks, parity, tree = key
-        initial = torch.zeros((7 if tree else 6 if picks else 5, rows), dtype=torch.long)
-        self._pad_rows(initial, 0, tree)
+        initial = torch.zeros((TREE_INPUT_ROWS if tree else 6 if picks else 5, rows), dtype=torch.long)
+        self._pad_rows(initial, 0)
         inputs = PinnedInputs(initial, self.device)
         pick = inputs.on_device[5, :picks] if picks else None
         tree_rows = (inputs.on_device[5], inputs.on_device[6]) if tree else None
@@ -214,7 +215,7 @@ class GraphCache:
         host[4, :n] = slots
         if tree is not None:
             host[5, :n], host[6, :n] = tree
-        self._pad_rows(host, n, tree is not None)
+        self._pad_rows(host, n)
         if picks:  # the padding repeats the last wanted row: its argmax lands in the same ring slot
             host[5, :len(wanted)] = wanted
             host[5, len(wanted):picks] = wanted[-1] if wanted else 0
