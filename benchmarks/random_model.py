@@ -2,8 +2,8 @@
 
 Speed does not depend on weight values, so kernel work needs no model file: `make_runner("gguf_like")`
 quantizes random weights in the layout of the real Q4_K_M file, and `step_gpu_us` times graph replays.
-Shared by kernel_bench.py, engine_bench.py, tree_step_bench.py and ab_trees.py; it uses only the runner's public pieces so
-that ab_trees.py can time another package tree with it.
+Shared by kernel_bench.py, engine_bench.py, tree_step_bench.py and ab_trees.py; it uses only the runner's public
+pieces so that ab_trees.py can time another package tree with it.
 """
 
 from __future__ import annotations
