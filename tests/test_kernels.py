@@ -109,6 +109,31 @@ def test_attention(n_heads: int, n_kv: int, head_dim: int, rows_per_seq: int, ct
     assert rel_err(got, dense_attention(q, cache, pos_t, seq_t, scale)) < TOL
 
 
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(12, 2, 128), (9, 3, 64)])
+@pytest.mark.parametrize("lead", [0, 5])
+def test_attention_tiles_prompt_chunks(n_heads: int, n_kv: int, head_dim: int, lead: int) -> None:
+    """A step of many rows: decode rows of several sequences, then two prompt chunks (one from position 0, one deep
+    into its sequence); `lead` decode rows first put the chunks off the tiles' edges, so some tiles hold two
+    sequences (row kernels) and the rest one (the tiled kernel). Every row against the dense reference."""
+    from specserve.kernels import attention_triton
+
+    n_seqs, ctx = 6, 700
+    cache = paged_cache(n_seqs, n_kv, ctx, head_dim, torch.Generator().manual_seed(lead + head_dim), 16, DTYPE, DEVICE)
+    seq_ids = [2 + i % 4 for i in range(lead)] + [0] * 70 + [1] * 40 + [2, 3, 4, 5] * 2
+    positions = [600 + i for i in range(lead)] + list(range(70)) + list(range(500, 540)) + [699, 650, 9, 1] * 2
+    assert len(seq_ids) >= attention_triton.TILED_MIN_ROWS
+    q = torch.randn(len(seq_ids), n_heads, head_dim, device=DEVICE).to(DTYPE)
+    pos_t = torch.tensor(positions, device=DEVICE)
+    seq_t = torch.tensor(seq_ids, device=DEVICE)
+    scale = head_dim ** -0.5
+    expected = dense_attention(q, cache, pos_t, seq_t, scale)
+    tiled = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, scale)
+    rows = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, scale, tiled=False)
+    assert rel_err(tiled, expected) < TOL and rel_err(rows, expected) < TOL
+    for r in range(len(seq_ids)):  # row by row: a row the tiled kernel missed would be garbage, not small error
+        assert rel_err(tiled[r], expected[r]) < 4 * TOL, r
+
+
 @pytest.mark.parametrize("start", [5, 3000])
 def test_attention_of_token_tree_rows(start: int) -> None:
     """A token tree's rows see the cache before the tree and their own branch only, at any split layout."""

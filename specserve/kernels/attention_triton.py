@@ -11,6 +11,11 @@ merges a row's splits by their log-sum-exp. So a row's work follows its own cont
 pool's size or the table's width, and a row's result does not depend on the other rows (batch
 invariant). Each key's slot comes from its sequence's block table row (a gather of BLOCK_N table
 entries per inner step, from cache).
+
+Steps of many rows (TILED_MIN_ROWS) also take a tiled kernel: a tile of consecutive rows of one sequence (a prompt
+chunk's, a verify run's) is one program per kv head that reads each key tile once for all its rows, as flash
+attention's forward does, instead of once a row; the split and merge kernels skip those rows. A row's result then
+depends on whether its tile holds one sequence, so batch-invariant steps keep the row kernels alone.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from specserve.kernels.kv_format import format_of
 
 BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
+TILED_MIN_ROWS = 64  # steps of at least this many rows take the tiled kernel for their one-sequence tiles
+TILE_QUERIES = 128  # query vectors (rows x heads of a kv head) in a tile: 16 rows of Qwen2.5-1.5B's 6 heads, padded
 GRID_PROGRAMS = 2048  # split programs in a launch, at least: ~16 for each of the H100's / H200's 132 SMs
 # A row of ctx positions takes splits of cdiv(ctx, MAX_SPLITS * BLOCK_N) key tiles: one tile (64 keys) up to 4,096
 # positions, so a short row at small batch still spreads over many programs (each one latency-bound).
@@ -53,12 +60,65 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, scale,
-                       stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
+def _one_sequence_tile(seq_ptr, first, n_rows, TILE: tl.constexpr):
+    """Whether rows first..first + TILE - 1 all exist and belong to one sequence."""
+    r = first + tl.arange(0, TILE)
+    seqs = tl.load(seq_ptr + r, mask=r < n_rows, other=-1)
+    return (tl.min(seqs, axis=0) == tl.max(seqs, axis=0)) & (first + TILE <= n_rows)
+
+
+@triton.jit
+def _attn_tile_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, out_ptr, n_rows, scale,
+                      stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
+                      stride_t, KV_BLOCK: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * TILE
+    kv_head = tl.program_id(1)
+    if _one_sequence_tile(seq_ptr, first, n_rows, TILE):
+        seq = tl.load(seq_ptr + first)
+        # query vector m: row first + m // GROUP_PAD, head kv_head * GROUP + m % GROUP_PAD
+        m = tl.arange(0, TILE * GROUP_PAD)
+        rows = first + m // GROUP_PAD
+        heads = kv_head * GROUP + m % GROUP_PAD
+        m_mask = m % GROUP_PAD < GROUP
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        pos = tl.load(pos_ptr + rows)
+        last = tl.max(pos, axis=0)
+        table = table_ptr + seq * stride_t
+        m_i = tl.full([TILE * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([TILE * GROUP_PAD], tl.float32)
+        acc = tl.zeros([TILE * GROUP_PAD, HEAD_DIM], tl.float32)
+        # Key tile 0 holds position 0, which every row sees: no row's maximum stays -inf after the first tile.
+        for i in range(0, tl.cdiv(last + 1, BLOCK)):
+            n = i * BLOCK + tl.arange(0, BLOCK)
+            n_mask = n <= last
+            block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+            k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
+            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
+            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = out_ptr + (rows[:, None] * N_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, n_rows,
+                       scale, stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
                        stride_t, KV_BLOCK: tl.constexpr, N_SPLITS: tl.constexpr, GRID_SPLITS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr,
-                       V_BITS: tl.constexpr, TREE: tl.constexpr):
+                       V_BITS: tl.constexpr, TREE: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
@@ -76,7 +136,10 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_p
     table = table_ptr + seq * stride_t
     # This program takes splits first, first + GRID_SPLITS, ...: at many rows, a grid of N_SPLITS programs a row
     # would be mostly programs with nothing to read. Each split is computed alone either way (the same bits).
-    for split in range(tl.program_id(2), tl.cdiv(pos + 1, tiles * BLOCK), GRID_SPLITS):
+    n_splits = tl.cdiv(pos + 1, tiles * BLOCK)
+    if TILE > 0:  # the tiled kernel has this row
+        n_splits = tl.where(_one_sequence_tile(seq_ptr, row // TILE * TILE, n_rows, TILE), 0, n_splits)
+    for split in range(tl.program_id(2), n_splits, GRID_SPLITS):
         start = split * tiles * BLOCK
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -107,13 +170,16 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_p
 
 
 @triton.jit
-def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                       N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_ptr, pos_ptr, out_ptr, n_rows, N_SPLITS: tl.constexpr,
+                       SPLITS_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                       TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
     split_len = tl.cdiv(pos + 1, N_SPLITS * BLOCK) * BLOCK
     n_valid = pos // split_len + 1  # splits past the row's position were never written
+    if TILE > 0:  # the tiled kernel wrote this row
+        n_valid = tl.where(_one_sequence_tile(seq_ptr, row // TILE * TILE, n_rows, TILE), 0, n_valid)
     i = tl.arange(0, SPLITS_PAD)
     valid = i < n_valid
     d = tl.arange(0, HEAD_DIM)
@@ -123,7 +189,8 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, N_SPLITS: tl.co
     w = tl.exp(lse - tl.max(lse, axis=0))
     o = tl.load(mid_o_ptr + (base + i)[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
     acc = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty),
+             mask=d < n_valid * HEAD_DIM)  # (no split: the tiled kernel's row)
 
 
 def splits_in_grid(programs: int) -> int:
@@ -133,14 +200,18 @@ def splits_in_grid(programs: int) -> int:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              seq_ids: torch.Tensor, table: torch.Tensor, scale: float, hidden: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              seq_ids: torch.Tensor, table: torch.Tensor, scale: float, hidden: torch.Tensor | None = None,
+              tiled: bool = True) -> torch.Tensor:
     """q [N, H, D]; caches [n_blocks, Hkv, block_size, row] (one layer: rows of D values, or packed rows),
     table int32 [seqs, blocks a sequence] -> out [N, H, D]. hidden: int64 [N], token trees' rows (bit j hides
-    position - j from the row, attention.attention_ref)."""
+    position - j from the row, attention.attention_ref). tiled=False: every row through the row kernels (a
+    row's bits independent of the other rows)."""
     n_rows, n_heads, head_dim = q.shape
     n_kv, block_size = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
+    tile_pad = triton.next_power_of_2(group)
+    # rows a tile (none: row kernels only); tree steps keep them too (their rows' masks are per row)
+    tile = max(1, TILE_QUERIES // tile_pad) if tiled and hidden is None and n_rows >= TILED_MIN_ROWS else 0
     n_splits = MAX_SPLITS  # the most splits a row's context is cut into
     grid_splits = splits_in_grid(n_rows * n_kv)
     for c in (k_cache, v_cache):
@@ -150,15 +221,21 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     mid_o = torch.empty((n_rows, n_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((n_rows, n_heads, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((n_rows, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+               table.stride(0))
+    formats = {"K_ROW": k_cache.shape[3], "V_ROW": v_cache.shape[3], "K_BITS": k_bits, "V_BITS": v_bits}
+    if tile:
+        _attn_tile_kernel[(triton.cdiv(n_rows, tile), n_kv)](
+            q, k_cache, v_cache, seq_ids, positions, table, out, n_rows, scale, *strides, KV_BLOCK=block_size,
+            TILE=tile, GROUP=group, GROUP_PAD=tile_pad, N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N, **formats,
+            num_warps=8, num_stages=2)
     _attn_split_kernel[(n_rows, n_kv, grid_splits)](
-        q, k_cache, v_cache, seq_ids, positions, positions if hidden is None else hidden, table, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), KV_BLOCK=block_size, N_SPLITS=n_splits, GRID_SPLITS=grid_splits, GROUP=group,
+        q, k_cache, v_cache, seq_ids, positions, positions if hidden is None else hidden, table, mid_o, mid_lse, n_rows,
+        scale, *strides, KV_BLOCK=block_size, N_SPLITS=n_splits, GRID_SPLITS=grid_splits, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N,
-        K_ROW=k_cache.shape[3], V_ROW=v_cache.shape[3], K_BITS=k_bits, V_BITS=v_bits, TREE=hidden is not None,
-        num_warps=4, num_stages=2,
+        **formats, TREE=hidden is not None, TILE=tile, num_warps=4, num_stages=2,
     )
-    _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, positions, out, N_SPLITS=n_splits,
+    _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, seq_ids, positions, out, n_rows, N_SPLITS=n_splits,
                                            SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,
-                                           HEAD_DIM=head_dim, BLOCK=BLOCK_N, num_warps=4)
+                                           HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILE=tile, num_warps=4)
     return out

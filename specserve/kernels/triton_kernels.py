@@ -84,7 +84,8 @@ class TritonKernels(TorchKernels):
         """The kernel reads (sequence, position) per row on the device and ignores `runs`, so its launch does not
         depend on the batch's layout on the host (graph-capturable)."""
         if q.shape[-1] in ATTENTION_HEAD_DIMS:
-            return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden)
+            return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden,
+                                              tiled=not self.invariant)
         return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
