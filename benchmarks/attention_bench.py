@@ -6,8 +6,9 @@ For each context and count of decode rows (one row per sequence, qwen2.5-coder-1
 heads of 128), the kernel's GPU time (CUDA graph replays, median) with every sequence's blocks in order in the
 pool (as the fixed per-slot layout read them), with the same blocks shuffled over the pool (as a long-running
 server's pool holds them), and shuffled in a table as wide as a pool of --wide positions (what `-c` sets: the
-time must not follow it), and the bandwidth the shuffled time gives for the K/V bytes the rows read. Prints a
-table, writes JSON (bench_output.py; default attention_bench.json in the cache's benchmarks folder).
+time must not follow it), and the bandwidth the shuffled time gives for the K/V bytes the rows read; then prompt
+chunks beside decode rows through the row kernels and the tiled one (--chunks). Prints tables, writes JSON
+(bench_output.py; default attention_bench.json in the cache's benchmarks folder).
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ def measure(ctx: int, rows: int, shuffled: bool, width: int = 0) -> float:
                     calls=1, reps=50)
 
 
+def measure_chunk(chunk: int, start: int, decode_rows: int, ctx: int, tiled: bool) -> float:
+    """A prompt chunk of `chunk` rows (positions start..) after `decode_rows` decode rows of other sequences at
+    context ctx, shuffled blocks; tiled=False: every row through the row kernels."""
+    blocks = -(-max(ctx, start + chunk) // BLOCK_SIZE)
+    seqs = decode_rows + 1
+    table = torch.randperm(seqs * blocks).view(seqs, blocks).int().cuda()
+    k = torch.randn(seqs * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(decode_rows + chunk, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    positions = torch.tensor([ctx - 1] * decode_rows + list(range(start, start + chunk)), device="cuda")
+    seq_ids = torch.tensor(list(range(1, seqs)) + [0] * chunk, device="cuda")
+    return graph_us(lambda: attention_triton.attention(q, k, v, positions, seq_ids, table, HEAD_DIM ** -0.5,
+                                                       tiled=tiled), calls=1, reps=50)
+
+
+def chunk_rows(chunks: str, decode_rows: int, ctx: int) -> list[dict[str, object]]:
+    """Each chunk as `rows@start`: the row kernels against the tiled kernel (one-sequence tiles of 16 rows)."""
+    out = []
+    for spec in chunks.split(","):
+        rows, start = (int(x) for x in spec.split("@"))
+        by_rows, tiled = (measure_chunk(rows, start, decode_rows, ctx, t) for t in (False, True))
+        out.append({"chunk_rows": rows, "chunk_start": start, "decode_rows": decode_rows, "decode_context": ctx,
+                    "row_kernels_us": round(by_rows, 2), "tiled_us": round(tiled, 2),
+                    "speedup": round(by_rows / tiled, 2)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,2048,8192,32768")
@@ -49,6 +77,9 @@ def main() -> None:
     ap.add_argument("--grid-programs", default=str(attention_triton.GRID_PROGRAMS),
                     help="the least split programs of a launch (attention_triton.GRID_PROGRAMS), a list to compare")
     ap.add_argument("--wide", type=int, default=1 << 20, help="positions of the wide table (a pool's -c)")
+    ap.add_argument("--chunks", default="448@0,448@2048,512@0",
+                    help="prompt chunks `rows@start` beside --chunk-decode-rows decode rows ('': none)")
+    ap.add_argument("--chunk-decode-rows", type=int, default=64)
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -65,10 +96,13 @@ def main() -> None:
                         "wide_us": round(wide, 2), "wide_over_shuffled": round(wide / shuffled, 3),
                         "shuffled_bandwidth_fraction": round(kv_bytes / (shuffled * 1e-6) / bandwidth, 3)})
     print_table(results, list(results[0]))
+    chunks = chunk_rows(args.chunks, args.chunk_decode_rows, 600) if args.chunks else []
+    if chunks:
+        print_table(chunks, list(chunks[0]))
     write_json(output_path(args.output, "attention_bench.json"),
                {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
                 "heads": [HEADS, KV_HEADS, HEAD_DIM], "block_size": BLOCK_SIZE, "wide_positions": args.wide,
-                "results": results})
+                "results": results, "chunks": chunks})
 
 
 if __name__ == "__main__":

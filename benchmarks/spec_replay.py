@@ -37,6 +37,7 @@ from specserve.model.batch import Batch  # noqa: E402
 from specserve.model.kv_ledger import KVLedger  # noqa: E402
 from specserve.speculative.base import SpecParams  # noqa: E402
 from specserve.speculative.factory import build_chain  # noqa: E402
+from specserve.speculative.shared_suffix import SuffixStore  # noqa: E402
 
 
 class TextRunner(FakeRunner):
@@ -66,11 +67,14 @@ def step_ms(table: dict[int, float], rows: int) -> float:
 
 
 def replay(items: list[dict], tokenizer: Tokenizer, spec: SpecParams, table: dict[int, float],
-           host_gap_ms: float, device: str) -> dict[str, float]:
-    """Modelled decode tok/s (the first token, from the prompt, not counted) and tokens a step over items."""
+           host_gap_ms: float, device: str, shared: bool = False) -> dict[str, float]:
+    """Modelled decode tok/s (the first token, from the prompt, not counted) and tokens a step over items, one
+    after another (shared: with a suffix store across them, as the server keeps)."""
     assert TRACE is not None
-    runner = TextRunner(tokenizer.vocab_size, tokenizer.eos_id or 0, device)
-    sched = Scheduler(runner, tokenizer, chain_factory=lambda s, slot: build_chain(s, None, seq=slot))
+    runner = TextRunner(tokenizer.vocab_size, tokenizer.eos_id or 0, device,
+                        n_ctx=max(len(i["prompt"]) + len(i["output"]) for i in items) + 64)
+    store = SuffixStore() if shared else None
+    sched = Scheduler(runner, tokenizer, chain_factory=lambda s, slot: build_chain(s, None, seq=slot, shared=store))
     ms = tokens = steps = 0.0
     for item in items:
         runner.text = item["prompt"] + item["output"]
@@ -87,15 +91,34 @@ def replay(items: list[dict], tokenizer: Tokenizer, spec: SpecParams, table: dic
     return {"tokens_per_s": round(tokens / ms * 1e3, 1), "tokens_per_step": round(tokens / max(steps, 1), 3)}
 
 
+def agent_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    """edit_bench's agent conversations (workloads/agent_loop.json) with their tools, in the model's template (tool
+    call arguments as objects, as the server renders them)."""
+    from specserve.gguf.chat_template import apply_chat_template
+
+    loop = json.loads((Path(__file__).parent / "workloads" / "agent_loop.json").read_text())
+    prompts = []
+    for conv in loop["conversations"]:
+        messages = [dict(m, tool_calls=[{**c, "function": {**c["function"],
+                                                           "arguments": json.loads(c["function"]["arguments"])}}
+                                        for c in m["tool_calls"]]) if m.get("tool_calls") else m
+                    for m in conv["messages"]]
+        text = apply_chat_template(tokenizer, messages, tools=loop["tools"])
+        prompts.append(tokenizer.encode(text, add_special=False))
+    return prompts
+
+
 def record(args: argparse.Namespace) -> None:
     from specserve.cli.session import GenerationSession
     from specserve.cli.workloads import workload_prompts
 
-    session = GenerationSession.load(args.model, n_ctx=4096, device=args.device, weight_format=args.weight_format)
+    session = GenerationSession.load(args.model, n_ctx=16384, device=args.device, weight_format=args.weight_format)
     texts: dict[str, list[dict]] = {}
     for cat in args.categories.split(","):
+        prompts = (agent_prompts(session.tokenizer) if cat == "agent"
+                   else workload_prompts(session.tokenizer, cat, args.prompts))
         texts[cat] = [{"prompt": p, "output": generate(session.runner, session.tokenizer, p, args.n_predict).tokens}
-                      for p in workload_prompts(session.tokenizer, cat, args.prompts)]
+                      for p in prompts]
     write_json(args.texts, {"model": args.model, "device": args.device, "weight_format": args.weight_format,
                             "texts": texts})
 
@@ -107,13 +130,15 @@ def main() -> None:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--device", default=None)
     ap.add_argument("--weight-format", default="auto")
-    ap.add_argument("--categories", default="code_edit,extract,chat")
+    ap.add_argument("--categories", default="code_edit,extract,chat",
+                    help="prompts.json categories, and `agent`: edit_bench's agent loop")
     ap.add_argument("--prompts", default=None, help="workloads/prompts.json")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--steps", type=Path, help="a `specserve bench` JSON whose step_ms_by_rows times the steps")
     ap.add_argument("--host-gap-ms", type=float, default=0.13,
                     help="device idle before a step not chained (H200 trace: 0.13 ms after a drafted step)")
     ap.add_argument("--spec-types", default="ngram-suffix,ngram-simple")
+    ap.add_argument("--shared", action="store_true", help="a suffix store across a category's texts (the server's)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     if args.record:
@@ -131,7 +156,7 @@ def main() -> None:
         none = replay(items, tokenizer, SpecParams(n_max=0), table, args.host_gap_ms, device)
         rows.append({"category": cat, "type": "none", **none, "speedup": 1.0})
         for t in args.spec_types.split(","):
-            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms, device)
+            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms, device, args.shared)
             rows.append({"category": cat, "type": t, **got,
                          "speedup": round(got["tokens_per_s"] / none["tokens_per_s"], 3)})
     print_table(rows, ["category", "type", "tokens_per_s", "speedup", "tokens_per_step"])
