@@ -134,6 +134,22 @@ def test_attention_tiles_prompt_chunks(n_heads: int, n_kv: int, head_dim: int, l
         assert rel_err(tiled[r], expected[r]) < 4 * TOL, r
 
 
+def test_attention_tiles_deep_verify_runs() -> None:
+    """Four sequences' 16-row runs deep into their contexts (64 rows: every tile one sequence's): the tiled kernel cuts
+    each tile's keys into splits, some of which hold keys only some of the tile's rows see."""
+    from specserve.kernels import attention_triton
+
+    n_heads, n_kv, head_dim, ctx = 12, 2, 128, 3100
+    cache = paged_cache(4, n_kv, ctx, head_dim, torch.Generator().manual_seed(11), 16, DTYPE, DEVICE)
+    seq_ids = [s for s in range(4) for _ in range(16)]
+    positions = [start + i for start in (3000, 40, 1500, 2990) for i in range(16)]
+    q = torch.randn(len(seq_ids), n_heads, head_dim, device=DEVICE).to(DTYPE)
+    pos_t, seq_t = torch.tensor(positions, device=DEVICE), torch.tensor(seq_ids, device=DEVICE)
+    got = attention_triton.attention(q, cache.k, cache.v, pos_t, seq_t, cache.table, head_dim ** -0.5)
+    expected = dense_attention(q, cache, pos_t, seq_t, head_dim ** -0.5)
+    assert max(rel_err(got[r], expected[r]) for r in range(len(seq_ids))) < 4 * TOL
+
+
 @pytest.mark.parametrize("start", [5, 3000])
 def test_attention_of_token_tree_rows(start: int) -> None:
     """A token tree's rows see the cache before the tree and their own branch only, at any split layout."""

@@ -13,8 +13,9 @@ invariant). Each key's slot comes from its sequence's block table row (a gather 
 entries per inner step, from cache).
 
 Steps of many rows (TILED_MIN_ROWS) also take a tiled kernel: a tile of consecutive rows of one sequence (a prompt
-chunk's, a verify run's) is one program per kv head that reads each key tile once for all its rows, as flash
-attention's forward does, instead of once a row; the split and merge kernels skip those rows. A row's result then
+chunk's, a verify run's) is one program per kv head and split of its keys that reads each key tile once for all its
+rows, as flash attention's forward does, instead of once a row; the split kernel skips those rows, and the merge
+kernel joins their splits. A row's result then
 depends on whether its tile holds one sequence, so batch-invariant steps keep the row kernels alone.
 """
 
@@ -30,6 +31,7 @@ BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
 TILED_MIN_ROWS = 64  # steps of at least this many rows take the tiled kernel for their one-sequence tiles
 TILE_QUERIES = 128  # query vectors (rows x heads of a kv head) in a tile: 16 rows of Qwen2.5-1.5B's 6 heads, padded
+TILE_PROGRAMS = 512  # tile programs in a launch, at least (each one's work is a 16-row tile's, not a row's)
 GRID_PROGRAMS = 2048  # split programs in a launch, at least: ~16 for each of the H100's / H200's 132 SMs
 # A row of ctx positions takes splits of cdiv(ctx, MAX_SPLITS * BLOCK_N) key tiles: one tile (64 keys) up to 4,096
 # positions, so a short row at small batch still spreads over many programs (each one latency-bound).
@@ -68,13 +70,15 @@ def _one_sequence_tile(seq_ptr, first, n_rows, TILE: tl.constexpr):
 
 
 @triton.jit
-def _attn_tile_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, out_ptr, n_rows, scale,
+def _attn_tile_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_ptr, mid_lse_ptr, n_rows, scale,
                       stride_q_tok, stride_q_head, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
-                      stride_t, KV_BLOCK: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                      K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+                      stride_t, KV_BLOCK: tl.constexpr, TILE: tl.constexpr, TILE_SPLITS: tl.constexpr,
+                      N_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, N_HEADS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+                      K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * TILE
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     if _one_sequence_tile(seq_ptr, first, n_rows, TILE):
         seq = tl.load(seq_ptr + first)
         # query vector m: row first + m // GROUP_PAD, head kv_head * GROUP + m % GROUP_PAD
@@ -87,29 +91,41 @@ def _attn_tile_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, out_pt
                     mask=m_mask[:, None], other=0.0)
         pos = tl.load(pos_ptr + rows)
         last = tl.max(pos, axis=0)
+        # The tile's keys 0..last cut into TILE_SPLITS splits of whole key tiles, this program's one of them (so a
+        # few long tiles still spread over the GPU); the merge kernel joins a row's splits as it does the row
+        # kernel's.
+        split_len = tl.cdiv(last + 1, TILE_SPLITS * BLOCK) * BLOCK
+        start = split * split_len
         table = table_ptr + seq * stride_t
         m_i = tl.full([TILE * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([TILE * GROUP_PAD], tl.float32)
         acc = tl.zeros([TILE * GROUP_PAD, HEAD_DIM], tl.float32)
-        # Key tile 0 holds position 0, which every row sees: no row's maximum stays -inf after the first tile.
-        for i in range(0, tl.cdiv(last + 1, BLOCK)):
-            n = i * BLOCK + tl.arange(0, BLOCK)
+        n_keys = tl.minimum(split_len, tl.maximum(last + 1 - start, 0))  # (0: a split past the tile's last row)
+        for i in range(0, tl.cdiv(n_keys, BLOCK)):
+            n = start + i * BLOCK + tl.arange(0, BLOCK)
             n_mask = n <= last
             block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
             k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
             k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+            # a row that sees none of this tile's keys keeps m = -inf: subtract 0 there instead (p is 0 anyway)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
             v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        out = out_ptr + (rows[:, None] * N_HEADS + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+        # rows that saw no key of this split: an empty entry (weight 0 in the merge)
+        seen = l_i > 0
+        mid = (rows * N_HEADS + heads) * N_SPLITS + split
+        tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :],
+                 tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0), mask=m_mask[:, None])
+        tl.store(mid_lse_ptr + mid, tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf")),
+                 mask=m_mask)
 
 
 @triton.jit
@@ -172,14 +188,14 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_p
 @triton.jit
 def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_ptr, pos_ptr, out_ptr, n_rows, N_SPLITS: tl.constexpr,
                        SPLITS_PAD: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                       TILE: tl.constexpr):
+                       TILE: tl.constexpr, TILE_SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
     split_len = tl.cdiv(pos + 1, N_SPLITS * BLOCK) * BLOCK
     n_valid = pos // split_len + 1  # splits past the row's position were never written
-    if TILE > 0:  # the tiled kernel wrote this row
-        n_valid = tl.where(_one_sequence_tile(seq_ptr, row // TILE * TILE, n_rows, TILE), 0, n_valid)
+    if TILE > 0:  # the tiled kernel wrote this row's TILE_SPLITS entries (some maybe empty)
+        n_valid = tl.where(_one_sequence_tile(seq_ptr, row // TILE * TILE, n_rows, TILE), TILE_SPLITS, n_valid)
     i = tl.arange(0, SPLITS_PAD)
     valid = i < n_valid
     d = tl.arange(0, HEAD_DIM)
@@ -189,14 +205,14 @@ def _attn_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_ptr, pos_ptr, out_ptr, n_rows
     w = tl.exp(lse - tl.max(lse, axis=0))
     o = tl.load(mid_o_ptr + (base + i)[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
     acc = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty),
-             mask=d < n_valid * HEAD_DIM)  # (no split: the tiled kernel's row)
+    tl.store(out_ptr + (row * N_HEADS + head) * HEAD_DIM + d, acc.to(out_ptr.dtype.element_ty))
 
 
-def splits_in_grid(programs: int) -> int:
-    """Programs a (row, kv head) gets in the grid: enough that ~GRID_PROGRAMS programs share the GPU, at most
-    MAX_SPLITS (a power of two, so the graphs' launch shapes stay few)."""
-    return max(1, min(MAX_SPLITS, triton.next_power_of_2(-(-GRID_PROGRAMS // programs))))
+def splits_in_grid(programs: int, least: int | None = None) -> int:
+    """Programs a (row, kv head) or (tile, kv head) gets in the grid: enough that ~`least` programs (GRID_PROGRAMS)
+    share the GPU, at most MAX_SPLITS (a power of two, so the graphs' launch shapes stay few)."""
+    least = GRID_PROGRAMS if least is None else least
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(-(-least // programs))))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -224,11 +240,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                table.stride(0))
     formats = {"K_ROW": k_cache.shape[3], "V_ROW": v_cache.shape[3], "K_BITS": k_bits, "V_BITS": v_bits}
+    n_tiles = triton.cdiv(n_rows, tile) if tile else 0
+    tile_splits = splits_in_grid(n_tiles * n_kv, TILE_PROGRAMS) if tile else 1
     if tile:
-        _attn_tile_kernel[(triton.cdiv(n_rows, tile), n_kv)](
-            q, k_cache, v_cache, seq_ids, positions, table, out, n_rows, scale, *strides, KV_BLOCK=block_size,
-            TILE=tile, GROUP=group, GROUP_PAD=tile_pad, N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N, **formats,
-            num_warps=8, num_stages=2)
+        _attn_tile_kernel[(n_tiles, n_kv, tile_splits)](
+            q, k_cache, v_cache, seq_ids, positions, table, mid_o, mid_lse, n_rows, scale, *strides,
+            KV_BLOCK=block_size, TILE=tile, TILE_SPLITS=tile_splits, N_SPLITS=n_splits, GROUP=group,
+            GROUP_PAD=tile_pad, N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK=BLOCK_N, **formats, num_warps=8,
+            num_stages=2)
     _attn_split_kernel[(n_rows, n_kv, grid_splits)](
         q, k_cache, v_cache, seq_ids, positions, positions if hidden is None else hidden, table, mid_o, mid_lse, n_rows,
         scale, *strides, KV_BLOCK=block_size, N_SPLITS=n_splits, GRID_SPLITS=grid_splits, GROUP=group,
@@ -237,5 +256,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     )
     _attn_merge_kernel[(n_rows, n_heads)](mid_o, mid_lse, seq_ids, positions, out, n_rows, N_SPLITS=n_splits,
                                            SPLITS_PAD=max(2, triton.next_power_of_2(n_splits)), N_HEADS=n_heads,
-                                           HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILE=tile, num_warps=4)
+                                           HEAD_DIM=head_dim, BLOCK=BLOCK_N, TILE=tile, TILE_SPLITS=tile_splits,
+                                           num_warps=4)
     return out
