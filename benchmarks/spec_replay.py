@@ -42,7 +42,11 @@ from specserve.speculative.shared_suffix import SuffixStore  # noqa: E402
 
 class TextRunner(FakeRunner):
     """Row i's argmax is the token after its position in `text` (the recorded prompt + greedy output), or the
-    end-of-generation token past it; every step is done at once (times come from the step table)."""
+    end-of-generation token past it; every step is done at once (times come from the step table). A token tree's
+    node answers for its depth's position: right where its branch is the text's, and never read otherwise (the
+    settler walks only branches that matched)."""
+
+    token_trees = True
 
     def __init__(self, vocab_size: int, eos: int, device: str, n_ctx: int = 8192):
         super().__init__([[0]], n_ctx, 0.0, 0.0)
@@ -53,7 +57,9 @@ class TextRunner(FakeRunner):
 
     def launch(self, batch: Batch, fed: list[int] | None = None, logits: bool = True) -> TimedStep:
         self.ledger.admit(batch, fed)
-        ahead = [batch.positions[i] + 1 for i in batch.logit_rows()]
+        layout = batch.tree_layout()
+        where = batch.positions if layout is None else layout[0]
+        ahead = [where[i] + 1 for i in batch.logit_rows()]
         tokens = [self.text[p] if p < len(self.text) else self.eos for p in ahead]
         return TimedStep(tokens, 0.0, self.vocab_size)
 
@@ -137,7 +143,8 @@ def main() -> None:
     ap.add_argument("--steps", type=Path, help="a `specserve bench` JSON whose step_ms_by_rows times the steps")
     ap.add_argument("--host-gap-ms", type=float, default=0.13,
                     help="device idle before a step not chained (H200 trace: 0.13 ms after a drafted step)")
-    ap.add_argument("--spec-types", default="ngram-suffix,ngram-simple")
+    ap.add_argument("--spec-types", default="ngram-suffix,ngram-simple",
+                    help="speculative types; `TYPE+treeN`: with token trees of N nodes")
     ap.add_argument("--shared", action="store_true", help="a suffix store across a category's texts (the server's)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
@@ -156,7 +163,9 @@ def main() -> None:
         none = replay(items, tokenizer, SpecParams(n_max=0), table, args.host_gap_ms, device)
         rows.append({"category": cat, "type": "none", **none, "speedup": 1.0})
         for t in args.spec_types.split(","):
-            got = replay(items, tokenizer, SpecParams(type=t), table, args.host_gap_ms, device, args.shared)
+            kind, _, tree = t.partition("+tree")
+            got = replay(items, tokenizer, SpecParams(type=kind, tree_nodes=int(tree or 0)), table, args.host_gap_ms,
+                         device, args.shared)
             rows.append({"category": cat, "type": t, **got,
                          "speedup": round(got["tokens_per_s"] / none["tokens_per_s"], 3)})
     print_table(rows, ["category", "type", "tokens_per_s", "speedup", "tokens_per_step"])
