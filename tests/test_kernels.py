@@ -150,6 +150,26 @@ def test_attention_tiles_deep_verify_runs() -> None:
     assert max(rel_err(got[r], expected[r]) for r in range(len(seq_ids))) < 4 * TOL
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_attention_tiles_read_packed_rows(name: str) -> None:
+    """-ctk/-ctv q8_0 or q4_0 pools: the tiled kernel decodes packed rows as the row kernels do (a prompt chunk of 64
+    rows against the same rows through the row kernels)."""
+    from specserve.kernels import attention_triton
+    from specserve.kernels.kv_format import FORMATS
+
+    n_heads, n_kv, head_dim, ctx = 12, 2, 128, 200
+    fmt = FORMATS[name]
+    cache = paged_cache(1, n_kv, ctx, head_dim, torch.Generator().manual_seed(3), 16, torch.float32, "cpu")
+    k, v = (fmt.encode(c.reshape(-1, head_dim)).view(*c.shape[:3], -1).to(DEVICE) for c in (cache.k, cache.v))
+    positions = torch.arange(100, 164, device=DEVICE)
+    seq_ids = torch.zeros(64, dtype=torch.long, device=DEVICE)
+    q = torch.randn(64, n_heads, head_dim, device=DEVICE).to(DTYPE)
+    table = cache.table.to(DEVICE)
+    tiled = attention_triton.attention(q, k, v, positions, seq_ids, table, head_dim ** -0.5)
+    rows = attention_triton.attention(q, k, v, positions, seq_ids, table, head_dim ** -0.5, tiled=False)
+    assert rel_err(tiled, rows) < TOL
+
+
 @pytest.mark.parametrize("start", [5, 3000])
 def test_attention_of_token_tree_rows(start: int) -> None:
     """A token tree's rows see the cache before the tree and their own branch only, at any split layout."""
