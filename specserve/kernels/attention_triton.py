@@ -62,6 +62,27 @@ def _load_rows(c_ptr, rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def _attend_keys(q, n, n_mask, visible, table, kc_ptr, vc_ptr, kv_head, d, scale, m_i, l_i, acc, stride_k_block,
+                 stride_k_head, stride_v_block, stride_v_head, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr):
+    """One key tile (positions n, those past the context masked out by n_mask) into the online softmax of the
+    query vectors q: the running maximum, sum and weighted values (m_i, l_i, acc). visible [queries, BLOCK]: which
+    query sees which key. A query that has seen no key yet keeps m = -inf (0 is subtracted there: its p are 0)."""
+    block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+    k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
+    k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
+    s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
+    v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def _one_sequence_tile(seq_ptr, first, n_rows, TILE: tl.constexpr):
     """Whether rows first..first + TILE - 1 all exist and belong to one sequence."""
     r = first + tl.arange(0, TILE)
@@ -103,22 +124,9 @@ def _attn_tile_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, table_ptr, mid_o_
         n_keys = tl.minimum(split_len, tl.maximum(last + 1 - start, 0))  # (0: a split past the tile's last row)
         for i in range(0, tl.cdiv(n_keys, BLOCK)):
             n = start + i * BLOCK + tl.arange(0, BLOCK)
-            n_mask = n <= last
-            block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
-            k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
-            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
-            # a row that sees none of this tile's keys keeps m = -inf: subtract 0 there instead (p is 0 anyway)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
-            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, n, n <= last, n[None, :] <= pos[:, None], table, kc_ptr, vc_ptr, kv_head,
+                                         d, scale, m_i, l_i, acc, stride_k_block, stride_k_head, stride_v_block,
+                                         stride_v_head, KV_BLOCK, HEAD_DIM, BLOCK, K_ROW, V_ROW, K_BITS, V_BITS)
         # rows that saw no key of this split: an empty entry (weight 0 in the merge)
         seen = l_i > 0
         mid = (rows * N_HEADS + heads) * N_SPLITS + split
@@ -167,19 +175,9 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, seq_ptr, pos_ptr, hid_ptr, table_p
             if TREE:
                 back = pos - n
                 n_mask &= (back > 63) | ((hidden >> tl.minimum(tl.maximum(back, 0), 63)) & 1 == 0)
-            block = tl.load(table + n // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
-            k_rows = block * stride_k_block + kv_head * stride_k_head + (n % KV_BLOCK) * K_ROW
-            k = _load_rows(kc_ptr, k_rows, d, n_mask, K_BITS, HEAD_DIM, BLOCK).to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v_rows = block * stride_v_block + kv_head * stride_v_head + (n % KV_BLOCK) * V_ROW
-            v = _load_rows(vc_ptr, v_rows, d, n_mask, V_BITS, HEAD_DIM, BLOCK).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, n, n_mask, n_mask[None, :], table, kc_ptr, vc_ptr, kv_head, d, scale, m_i,
+                                         l_i, acc, stride_k_block, stride_k_head, stride_v_block, stride_v_head,
+                                         KV_BLOCK, HEAD_DIM, BLOCK, K_ROW, V_ROW, K_BITS, V_BITS)
         mid = (row * N_HEADS + heads) * N_SPLITS + split
         tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=g_mask[:, None])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=g_mask)
