@@ -15,6 +15,7 @@ import torch
 from specserve.kernels import activation, attention, cpu_ops, rmsnorm, rope
 from specserve.kernels.backend import kernels_for
 from specserve.kernels.cpu import build
+from specserve.kernels.kv_format import FORMATS
 from tests.paged import dense_attention, paged_cache, tree_rows
 
 pytestmark = pytest.mark.skipif(not build.has("cpu_rms_norm"),
@@ -124,17 +125,26 @@ def test_cpu_kernels_take_fp32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == ["c", "c"]
 
 
-def test_a_row_is_the_same_in_any_batch() -> None:
-    """Each op computes a row on its own: rows of a batch equal the same rows computed alone, bit for bit."""
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_a_row_is_the_same_in_any_batch(kv: str) -> None:
+    """Each op computes a row on its own: rows of a batch equal the same rows computed alone, bit for bit (attention
+    reads a sequence's consecutive rows in runs that share each key block: 20 rows of one sequence across blocks of
+    16 positions, then a row of another)."""
     gen = torch.Generator().manual_seed(3)
     n_heads, n_kv, dim, ctx = 6, 2, 64, 64
     c = paged_cache(2, n_kv, ctx, dim, gen)
-    q = torch.randn(7, n_heads, dim, generator=gen)
-    positions, seq_ids = torch.tensor([5, 6, 7, 8, 9, 10, 40]), torch.tensor([0, 0, 0, 0, 0, 0, 1])
-    batch = cpu_ops.attention(q, c.k, c.v, positions, seq_ids, c.table, 0.125)
-    for t in range(7):
-        alone = cpu_ops.attention(q[t : t + 1], c.k, c.v, positions[t : t + 1], seq_ids[t : t + 1], c.table, 0.125)
+    k, v = c.k, c.v
+    if kv != "f32":
+        fmt = FORMATS[kv]
+        k, v = (fmt.encode(x.reshape(-1, dim)).view(*x.shape[:3], -1) for x in (c.k, c.v))
+    positions = torch.tensor([*range(5, 25), 40])
+    seq_ids = torch.tensor([0] * 20 + [1])
+    q = torch.randn(len(positions), n_heads, dim, generator=gen)
+    batch = cpu_ops.attention(q, k, v, positions, seq_ids, c.table, 0.125)
+    for t in range(len(positions)):
+        alone = cpu_ops.attention(q[t : t + 1], k, v, positions[t : t + 1], seq_ids[t : t + 1], c.table, 0.125)
         assert torch.equal(alone[0], batch[t])
+    assert _rel(batch, dense_attention(q, c, positions, seq_ids, 0.125)) < (1e-5 if kv == "f32" else 2e-2)
     x, res, w = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen), torch.rand(576) + 0.5
     out, summed = cpu_ops.add_rms_norm(x, res, w, 1e-5)
     gate_up = torch.randn(9, 3072, generator=gen)

@@ -101,6 +101,7 @@ typedef struct {
     int n_heads, n_kv_heads, dim, table_width, block_shift;  // a block holds 1 << block_shift positions
     float scale;
     int failed;  // a thread could not allocate its scores
+    const int* run_starts;  // item i // n_kv_heads covers tokens run_starts[i] .. run_starts[i + 1] - 1 (one sequence)
 } attention_job;
 
 static __thread float* score_buf = NULL;
@@ -142,15 +143,17 @@ static inline const float* block_rows(const kv_cache* c, const float* dense, con
     return (const float*)c->data + (int64_t)blocks[j0 >> block_shift] * c->block_stride + head;
 }
 
-// Items are (token, kv head) pairs: for each q head of the kv head's group, softmax(scale * q . k_j) over the
-// sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift], whose
-// rows of one head are contiguous: the loops walk a block's rows at a time. A kv head's rows are read from memory
-// once for its group of q heads (the group's other heads find them in cache). The adds of one dot product or one
-// output value form a chain: scores are computed KEYS keys at a time and a head's values 8 vectors at a time, so
-// independent chains fill the FMA units (a single chain waited on each add's latency); each value's sum keeps
-// its order.
+// Items are (run, kv head) pairs, a run being up to RUN_TOKENS consecutive tokens of one sequence (a prompt chunk's
+// tokens; a decode step's are runs of one): for each token and q head of the kv head's group, softmax(scale * q . k_j)
+// over the sequence's positions 0..position, times v. Position j is row j's low bits of block table[seq][j >> shift],
+// whose rows of one head are contiguous: the loops walk a block's rows at a time, and a run's tokens all read a block
+// while it is in cache (a long prompt's keys came from memory once a token before). The adds of one dot product or
+// one output value form a chain: scores are computed KEYS keys at a time and a head's values 8 vectors at a time, so
+// independent chains fill the FMA units; each value's sum keeps its order (a token's bits do not depend on its run:
+// its partial sums wait in `out` between blocks).
 // DIM: the head size, a compile-time constant for the common 64 and 128 (the loops over it unroll), else a->dim.
 #define KEYS 8  // keys whose scores are computed together
+#define RUN_TOKENS 32  // most tokens of one sequence an item takes
 
 // The softmax's sum over a token tree's row as its path alone would give it, bit for bit: its visible weights moved
 // next to each other (the hidden ones are the last 64 positions' at most), summed in the same lanes, put back.
@@ -168,95 +171,141 @@ static vf tree_row_total(float* sc, int len, uint64_t hidden) {
     return total;
 }
 
+// Scores sc[j0 .. j0 + jn) of one q head over a block's keys kb (rows of dim values).
+static inline __attribute__((always_inline)) void block_scores(const float* qg, const float* kb, float* sc, int jn,
+                                                               int dim, float scale) {
+    int j = 0;
+    for (; j + KEYS <= jn; j += KEYS) {  // KEYS keys' dot products at once: independent add chains
+        vf d[KEYS];
+        for (int u = 0; u < KEYS; ++u) d[u] = v_zero();
+        for (int i = 0; i < dim; i += VL) {
+            const vf qv = v_load_n(qg + i, dim - i);
+            for (int u = 0; u < KEYS; ++u)
+                d[u] = v_fmadd(qv, v_load_n(kb + (int64_t)(j + u) * dim + i, dim - i), d[u]);
+        }
+        for (int u = 0; u < KEYS; ++u) sc[j + u] = v_reduce_add(d[u]) * scale;
+    }
+    for (; j < jn; ++j) {
+        vf d = v_zero();
+        for (int i = 0; i < dim; i += VL)
+            d = v_fmadd(v_load_n(qg + i, dim - i), v_load_n(kb + (int64_t)j * dim + i, dim - i), d);
+        sc[j] = v_reduce_add(d) * scale;
+    }
+}
+
+// sc[0 .. len) of one q head: the softmax's weights (unnormalized; returns 1 / their sum), a tree row's hidden keys 0.
+static float softmax_weights(float* sc, int len, uint64_t hidden) {
+    vf top = v_set1(-INFINITY);
+    for (int j = 0; j < len; j += VL) top = v_mask_max(top, v_tail(len - j), top, v_load_n(sc + j, len - j));
+    if (hidden) {  // another branch's keys (a token tree's): the max is the rest's, and exp(-1000) is 0 in fp32
+        float most = -INFINITY;
+        for (int j = 0; j < len; ++j)
+            if (!(len - 1 - j < 64 && hidden >> (len - 1 - j) & 1)) most = sc[j] > most ? sc[j] : most;
+        for (int back = 1; back < 64 && back < len; ++back)
+            if (hidden >> back & 1) sc[len - 1 - back] = most - 1000.0f;
+        top = v_set1(most);
+    }
+    const vf best = v_set1(v_reduce_max(top));
+    vf total = v_zero();
+    for (int j = 0; j < len; j += VL) {
+        const vf e = v_maskz(v_tail(len - j), v_exp_neg(v_sub(v_load_n(sc + j, len - j), best)));
+        v_store_n(sc + j, len - j, e);
+        total = v_add(total, e);
+    }
+    if (hidden) total = tree_row_total(sc, len, hidden);
+    return 1.0f / v_reduce_add(total);
+}
+
+// acc[0 .. vecs) += the weights sc[0 .. jn) times a block's values vb, lanes i0.. of each row, in key order.
+static inline __attribute__((always_inline)) void weigh_values(vf* acc, const float* sc, const float* vb, int jn,
+                                                               int dim, int i0, int vecs) {
+    for (int j = 0; j < jn; ++j) {
+        const vf s = v_set1(sc[j]);
+        const float* row = vb + (int64_t)j * dim + i0;
+        for (int u = 0; u < vecs; ++u) acc[u] = v_fmadd(s, v_load_n(row + u * VL, dim - i0 - u * VL), acc[u]);
+    }
+}
+
 static inline __attribute__((always_inline)) void attention_range(attention_job* a, int start, int end,
                                                                   const int DIM) {
     const int dim = DIM ? DIM : a->dim, group = a->n_heads / a->n_kv_heads;
-    float inv[256];  // per q head of the group: 1 / the softmax's sum
+    float inv[RUN_TOKENS * 256];  // per token of the run and q head of the group: 1 / the softmax's sum
     for (int item = start; item < end; ++item) {
-        const int t = item / a->n_kv_heads, kvh = item % a->n_kv_heads;
-        const int len = (int)a->positions[t] + 1;
-        const int32_t* blocks = a->table + a->seq_ids[t] * a->table_width;
-        // packed rows are decoded first, into [len, dim]: then read as one block of len rows
-        const int64_t rows = (int64_t)len * dim;
+        const int run = item / a->n_kv_heads, kvh = item % a->n_kv_heads;
+        const int t0 = a->run_starts[run], nt = a->run_starts[run + 1] - t0;
+        int len_max = 0;  // the run's longest context (packed rows are decoded that far, once for the run)
+        for (int r = 0; r < nt; ++r) {
+            const int len = (int)a->positions[t0 + r] + 1;
+            len_max = len > len_max ? len : len_max;
+        }
+        const int32_t* blocks = a->table + a->seq_ids[t0] * a->table_width;
+        const int64_t rows = (int64_t)len_max * dim;
         float* k_dense = a->k.bits ? grown(&k_rows_buf, &k_rows_size, rows) : NULL;
         float* v_dense = a->v.bits ? grown(&v_rows_buf, &v_rows_size, rows) : NULL;
-        if (grown(&score_buf, &score_size, (int64_t)group * len) == NULL || (a->k.bits && k_dense == NULL) ||
-            (a->v.bits && v_dense == NULL)) {
+        if (grown(&score_buf, &score_size, (int64_t)nt * group * len_max) == NULL ||
+            (a->k.bits && k_dense == NULL) || (a->v.bits && v_dense == NULL)) {
             __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
             return;
         }
         const int64_t k_head = (int64_t)kvh * a->k.head_stride, v_head = (int64_t)kvh * a->v.head_stride;
-        if (k_dense) decode_rows(&a->k, blocks, a->block_shift, k_head, len, dim, k_dense);
-        if (v_dense) decode_rows(&a->v, blocks, a->block_shift, v_head, len, dim, v_dense);
-        const float* q = a->q + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;  // the group's heads
+        if (k_dense) decode_rows(&a->k, blocks, a->block_shift, k_head, len_max, dim, k_dense);
+        if (v_dense) decode_rows(&a->v, blocks, a->block_shift, v_head, len_max, dim, v_dense);
         const int bsize = 1 << a->block_shift;
-        for (int j0 = 0; j0 < len; j0 += bsize) {
+        // score rows: token r's q head g at score_buf + (r * group + g) * len_max
+        for (int j0 = 0; j0 < len_max; j0 += bsize) {
             const float* kb = block_rows(&a->k, k_dense, blocks, a->block_shift, k_head, j0, dim);
-            const int jn = len - j0 < bsize ? len - j0 : bsize;
-            for (int g = 0; g < group; ++g) {
-                const float* qg = q + g * dim;
-                float* sc = score_buf + (int64_t)g * len + j0;
-                int j = 0;
-                for (; j + KEYS <= jn; j += KEYS) {  // KEYS keys' dot products at once: independent add chains
-                    vf d[KEYS];
-                    for (int u = 0; u < KEYS; ++u) d[u] = v_zero();
-                    for (int i = 0; i < dim; i += VL) {
-                        const vf qv = v_load_n(qg + i, dim - i);
-                        for (int u = 0; u < KEYS; ++u)
-                            d[u] = v_fmadd(qv, v_load_n(kb + (int64_t)(j + u) * dim + i, dim - i), d[u]);
+            for (int r = 0; r < nt; ++r) {
+                const int len = (int)a->positions[t0 + r] + 1;
+                if (j0 >= len) continue;
+                const int jn = len - j0 < bsize ? len - j0 : bsize;
+                const float* q = a->q + ((int64_t)(t0 + r) * a->n_heads + (int64_t)kvh * group) * dim;
+                for (int g = 0; g < group; ++g)
+                    block_scores(q + g * dim, kb, score_buf + ((int64_t)r * group + g) * len_max + j0, jn, dim,
+                                 a->scale);
+            }
+        }
+        for (int r = 0; r < nt; ++r) {
+            const int len = (int)a->positions[t0 + r] + 1;
+            const uint64_t hidden = a->hidden ? (uint64_t)a->hidden[t0 + r] : 0;
+            for (int g = 0; g < group; ++g)
+                inv[r * group + g] = softmax_weights(score_buf + ((int64_t)r * group + g) * len_max, len, hidden);
+        }
+        for (int i0 = 0; i0 < dim; i0 += 8 * VL) {  // 8 vectors of a head's values at a time, in registers
+            const int vecs = dim - i0 >= 8 * VL ? 8 : (dim - i0 + VL - 1) / VL;
+            if (nt == 1) {  // one token (a decode row): its sums stay in registers over all blocks
+                const int len = len_max;
+                float* o = a->out + ((int64_t)t0 * a->n_heads + (int64_t)kvh * group) * dim + i0;
+                for (int g = 0; g < group; ++g) {
+                    vf acc[8];
+                    for (int u = 0; u < vecs; ++u) acc[u] = v_zero();
+                    for (int j0 = 0; j0 < len; j0 += bsize) {
+                        const float* vb = block_rows(&a->v, v_dense, blocks, a->block_shift, v_head, j0, dim);
+                        const int jn = len - j0 < bsize ? len - j0 : bsize;
+                        weigh_values(acc, score_buf + (int64_t)g * len_max + j0, vb, jn, dim, i0, vecs);
                     }
-                    for (int u = 0; u < KEYS; ++u) sc[j + u] = v_reduce_add(d[u]) * a->scale;
+                    for (int u = 0; u < vecs; ++u)
+                        v_store_n(o + (int64_t)g * dim + u * VL, dim - i0 - u * VL, v_mul(acc[u], v_set1(inv[g])));
                 }
-                for (; j < jn; ++j) {
-                    vf d = v_zero();
-                    for (int i = 0; i < dim; i += VL)
-                        d = v_fmadd(v_load_n(qg + i, dim - i), v_load_n(kb + (int64_t)j * dim + i, dim - i), d);
-                    sc[j] = v_reduce_add(d) * a->scale;
-                }
+                continue;
             }
-        }
-        const uint64_t hidden = a->hidden ? (uint64_t)a->hidden[t] : 0;
-        for (int g = 0; g < group; ++g) {
-            float* sc = score_buf + (int64_t)g * len;
-            vf top = v_set1(-INFINITY);
-            for (int j = 0; j < len; j += VL) top = v_mask_max(top, v_tail(len - j), top, v_load_n(sc + j, len - j));
-            if (hidden) {  // another branch's keys (a token tree's): the max is the rest's, and exp(-1000) is 0 in fp32
-                float most = -INFINITY;
-                for (int j = 0; j < len; ++j)
-                    if (!(len - 1 - j < 64 && hidden >> (len - 1 - j) & 1)) most = sc[j] > most ? sc[j] : most;
-                for (int back = 1; back < 64 && back < len; ++back)
-                    if (hidden >> back & 1) sc[len - 1 - back] = most - 1000.0f;
-                top = v_set1(most);
-            }
-            const vf best = v_set1(v_reduce_max(top));
-            vf total = v_zero();
-            for (int j = 0; j < len; j += VL) {
-                const vf e = v_maskz(v_tail(len - j), v_exp_neg(v_sub(v_load_n(sc + j, len - j), best)));
-                v_store_n(sc + j, len - j, e);
-                total = v_add(total, e);
-            }
-            if (hidden) total = tree_row_total(sc, len, hidden);
-            inv[g] = 1.0f / v_reduce_add(total);
-        }
-        float* o = a->out + ((int64_t)t * a->n_heads + (int64_t)kvh * group) * dim;
-        for (int g = 0; g < group; ++g) {
-            const float* sc = score_buf + (int64_t)g * len;
-            for (int i0 = 0; i0 < dim; i0 += 8 * VL) {  // 8 vectors of a head's values at a time, in registers
-                const int vecs = dim - i0 >= 8 * VL ? 8 : (dim - i0 + VL - 1) / VL;
-                vf acc[8];
-                for (int u = 0; u < vecs; ++u) acc[u] = v_zero();
-                for (int j0 = 0; j0 < len; j0 += bsize) {
-                    const float* vb = block_rows(&a->v, v_dense, blocks, a->block_shift, v_head, j0, dim);
-                    const int jn = len - j0 < bsize ? len - j0 : bsize;
-                    for (int j = 0; j < jn; ++j) {
-                        const vf s = v_set1(sc[j0 + j]);
-                        const float* row = vb + (int64_t)j * dim + i0;
+            for (int j0 = 0; j0 < len_max; j0 += bsize) {  // a block's values for every token of the run
+                const float* vb = block_rows(&a->v, v_dense, blocks, a->block_shift, v_head, j0, dim);
+                for (int r = 0; r < nt; ++r) {
+                    const int len = (int)a->positions[t0 + r] + 1;
+                    if (j0 >= len) continue;
+                    const int jn = len - j0 < bsize ? len - j0 : bsize, last = j0 + bsize >= len;
+                    float* o = a->out + ((int64_t)(t0 + r) * a->n_heads + (int64_t)kvh * group) * dim + i0;
+                    for (int g = 0; g < group; ++g) {
+                        float* og = o + (int64_t)g * dim;
+                        vf acc[8];
+                        for (int u = 0; u < vecs; ++u)  // (the sums so far wait in out between blocks)
+                            acc[u] = j0 ? v_load_n(og + u * VL, dim - i0 - u * VL) : v_zero();
+                        weigh_values(acc, score_buf + ((int64_t)r * group + g) * len_max + j0, vb, jn, dim, i0, vecs);
                         for (int u = 0; u < vecs; ++u)
-                            acc[u] = v_fmadd(s, v_load_n(row + u * VL, dim - i0 - u * VL), acc[u]);
+                            v_store_n(og + u * VL, dim - i0 - u * VL,
+                                      last ? v_mul(acc[u], v_set1(inv[r * group + g])) : acc[u]);
                     }
                 }
-                for (int u = 0; u < vecs; ++u)
-                    v_store_n(o + (int64_t)g * dim + i0 + u * VL, dim - i0 - u * VL, v_mul(acc[u], v_set1(inv[g])));
             }
         }
     }
@@ -283,6 +332,14 @@ int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, v
                   int v_bits, const int64_t* positions, const int64_t* seq_ids, const int32_t* table,
                   const int64_t* hidden, int table_width, int block_shift, float scale, float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
+    // runs of up to RUN_TOKENS consecutive tokens of one sequence
+    int* run_starts = malloc(sizeof(int) * (size_t)(T + 1));
+    if (run_starts == NULL) return -1;
+    int n_runs = 0;
+    for (int t = 0; t < T; ++t)
+        if (t == 0 || seq_ids[t] != seq_ids[t - 1] || t - run_starts[n_runs - 1] >= RUN_TOKENS)
+            run_starts[n_runs++] = t;
+    run_starts[n_runs] = T;
     attention_job a = {q,
                        {k_data, k_block_stride, k_head_stride, k_bits},
                        {v_data, v_block_stride, v_head_stride, v_bits},
@@ -297,10 +354,12 @@ int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, v
                        table_width,
                        block_shift,
                        scale,
-                       0};
+                       0,
+                       run_starts};
     // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
     const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;
-    pool_run(work < (1 << 18) ? 1 : threads, T * n_kv_heads, 1, attention_items, &a);
+    pool_run(work < (1 << 18) ? 1 : threads, n_runs * n_kv_heads, 1, attention_items, &a);
+    free(run_starts);
     return a.failed ? -1 : 0;
 }
 
