@@ -246,3 +246,20 @@ def test_without_c_the_pool_is_a_slots_context_each(smollm_path: Path) -> None:
     settings = ServerSettings(model=str(smollm_path), n_parallel=3)
     context = LocalRunner(smollm_path, device="cpu", progress=False).config.context_length
     assert settings.default_kv_size() == 3 * min(context, 4096)
+
+
+def test_a_step_says_whether_it_reads_a_prompt(small_pool: LocalRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose rows do not all want logits reads a prompt (KVStep.prompt, which the GPU's attention tiles); a
+    decode step does not."""
+    heard: list[bool] = []
+    real = small_pool.kv.step
+    monkeypatch.setattr(small_pool.kv, "step", lambda *a, **k: heard.append(k["prompt"]) or real(*a, **k))
+    small_pool.kv_truncate(0, 0)
+    prompt = Batch()
+    prompt.add_sequence(list(range(1, 11)), 0, 0)
+    small_pool.forward(prompt)
+    decode = Batch()
+    decode.add_sequence([11], 10, 0)
+    small_pool.forward(decode)
+    small_pool.kv_truncate(0, 0)
+    assert heard == [True, False]

@@ -233,7 +233,9 @@ class LocalRunner:
                            tree: TreeRows | None = None) -> torch.Tensor:
         """Logits of logit_rows (None: every row), with no host-side batch layout (what CUDA graphs
         capture)."""
-        return self.model.forward(tokens, positions, seq_ids, logit_rows, [], self.kv.step(slots, tree))
+        # (graphs that pick logit rows are the prompt steps')
+        return self.model.forward(tokens, positions, seq_ids, logit_rows, [],
+                                  self.kv.step(slots, tree, prompt=logit_rows is not None))
 
     def _launch_eager(self, batch: Batch, runs: list[tuple[int, int, int, int]], slots: list[int],
                       fed: Sequence[int] | None, parity: int,
@@ -251,7 +253,7 @@ class LocalRunner:
                 tokens = feed_tokens(tokens, on_device(fed), self._ring[1 - parity])
             tree_rows = (on_device(tree[0]), on_device(tree[1])) if tree is not None else None
             logits = self.model.forward(tokens, on_device(batch.positions), on_device(batch.seq_ids), rows, runs,
-                                        self.kv.step(on_device(slots), tree_rows))
+                                        self.kv.step(on_device(slots), tree_rows, prompt=len(wanted) < len(batch)))
             argmax = self.kernels.argmax(logits)
             self._ring[parity].index_copy_(0, rows, argmax)
         return LaunchedStep(logits, argmax, len(wanted))

@@ -12,11 +12,11 @@ pool's size or the table's width, and a row's result does not depend on the othe
 invariant). Each key's slot comes from its sequence's block table row (a gather of BLOCK_N table
 entries per inner step, from cache).
 
-Steps of many rows (TILED_MIN_ROWS) also take a tiled kernel: a tile of consecutive rows of one sequence (a prompt
-chunk's, a verify run's) is one program per kv head and split of its keys that reads each key tile once for all its
-rows, as flash attention's forward does, instead of once a row; the split kernel skips those rows, and the merge
-kernel joins their splits. A row's result then
-depends on whether its tile holds one sequence, so batch-invariant steps keep the row kernels alone.
+Prompt steps of many rows (TILED_MIN_ROWS; the caller says which steps read prompts) also take a tiled kernel: a
+tile of consecutive rows of one sequence (a prompt chunk's) is one program per kv head and split of its keys that
+reads each key tile once for all its rows, as flash attention's forward does, instead of once a row; the split
+kernel skips those rows, and the merge kernel joins their splits. A row's result then depends on whether its tile
+holds one sequence, so batch-invariant steps keep the row kernels alone.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specserve.kernels.kv_format import format_of
 
 BLOCK_N = 64  # keys per inner step
 MAX_SPLITS = 64  # the merge holds every split of a row at once
-TILED_MIN_ROWS = 64  # steps of at least this many rows take the tiled kernel for their one-sequence tiles
+TILED_MIN_ROWS = 64  # prompt steps of at least this many rows take the tiled kernel for their one-sequence tiles
 TILE_QUERIES = 128  # query vectors (rows x heads of a kv head) in a tile: 16 rows of Qwen2.5-1.5B's 6 heads, padded
 TILE_PROGRAMS = 512  # tile programs in a launch, at least (each one's work is a 16-row tile's, not a row's)
 GRID_PROGRAMS = 2048  # split programs in a launch, at least: ~16 for each of the H100's / H200's 132 SMs

@@ -49,10 +49,10 @@ class CpuKernels(TorchKernels):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, prompt: bool = False) -> torch.Tensor:
         if cpu_ops.attention_takes(q, k_cache, v_cache, positions, seq_ids, table):
             return cpu_ops.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden)
-        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden)
+        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden, prompt)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -86,9 +86,9 @@ class TorchKernels:
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, prompt: bool = False) -> torch.Tensor:
         """attention.attention_ref (the kernels read each row's sequence and position on the device instead of
-        `runs`). hidden: a token tree's rows (KVStep.hidden)."""
+        `runs`). hidden: a token tree's rows (KVStep.hidden); prompt: the step reads prompt chunks (KVStep.prompt)."""
         return attention_ref(q, k_cache, v_cache, positions, table, runs, scale, hidden)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,

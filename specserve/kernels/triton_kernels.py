@@ -80,13 +80,14 @@ class TritonKernels(TorchKernels):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   seq_ids: torch.Tensor, table: torch.Tensor, runs: Runs, scale: float,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, prompt: bool = False) -> torch.Tensor:
         """The kernel reads (sequence, position) per row on the device and ignores `runs`, so its launch does not
-        depend on the batch's layout on the host (graph-capturable)."""
+        depend on the batch's layout on the host (graph-capturable). Prompt steps tile their one-sequence rows
+        (not batch-invariant ones: a row's bits would follow its tile)."""
         if q.shape[-1] in ATTENTION_HEAD_DIMS:
             return attention_triton.attention(q, k_cache, v_cache, positions, seq_ids, table, scale, hidden,
-                                              tiled=not self.invariant)
-        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden)
+                                              tiled=prompt and not self.invariant)
+        return super().attention(q, k_cache, v_cache, positions, seq_ids, table, runs, scale, hidden, prompt)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, silu_input: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

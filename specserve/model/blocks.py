@@ -61,7 +61,7 @@ class AttentionBlock:
         k_cache, v_cache = kv.layers[self.layer_idx]
         q = self.qkv(stream, kv.rope_positions(positions), kv.slots, k_cache, v_cache)
         attn = stream.kernels.attention(q, k_cache, v_cache, positions, seq_ids, kv.table, runs, self.scale,
-                                        kv.hidden)
+                                        kv.hidden, kv.prompt)
         self.out(stream, attn.view(q.shape[0], self.q_size))
 
 

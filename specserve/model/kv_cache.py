@@ -32,6 +32,7 @@ class KVStep:
     # position it is written at) and the 64 positions before it that it must not see (bit j: position - j).
     rope: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    prompt: bool = False  # the step reads prompt chunks (some rows want no logits): attention may tile their rows
 
     def rope_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return positions if self.rope is None else self.rope
@@ -74,9 +75,11 @@ class PagedKV:
     def n_bytes(self) -> int:
         return sum(pool.numel() * pool.element_size() for pool in self.pools)
 
-    def step(self, slots: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVStep:
-        """tree: (rotary positions, hidden bits) per row of a step with token trees."""
-        return KVStep(self.layers, self.table, slots) if tree is None else KVStep(self.layers, self.table, slots, *tree)
+    def step(self, slots: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+             prompt: bool = False) -> KVStep:
+        """tree: (rotary positions, hidden bits) per row of a step with token trees; prompt: see KVStep."""
+        rope, hidden = tree if tree is not None else (None, None)
+        return KVStep(self.layers, self.table, slots, rope, hidden, prompt)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the K/V of slots `src` to slots `dst`, every layer, as stored (a token tree's accepted path)."""
