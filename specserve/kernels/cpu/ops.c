@@ -333,8 +333,17 @@ int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, v
                   const int64_t* hidden, int table_width, int block_shift, float scale, float* out, int threads) {
     if (n_heads / n_kv_heads > 256) return -1;  // more q heads a kv head than any model has
     // runs of up to RUN_TOKENS consecutive tokens of one sequence
-    int* run_starts = malloc(sizeof(int) * (size_t)(T + 1));
-    if (run_starts == NULL) return -1;
+    // (the caller's thread keeps the array for later steps: no allocation a layer on the decode path)
+    static __thread int* run_buf = NULL;
+    static __thread int run_size = 0;
+    if (T + 1 > run_size) {
+        free(run_buf);
+        run_size = 0;
+        run_buf = malloc(sizeof(int) * (size_t)(T + 1 + 1024));
+        if (run_buf == NULL) return -1;
+        run_size = T + 1 + 1024;
+    }
+    int* run_starts = run_buf;
     int n_runs = 0;
     for (int t = 0; t < T; ++t)
         if (t == 0 || seq_ids[t] != seq_ids[t - 1] || t - run_starts[n_runs - 1] >= RUN_TOKENS)
@@ -359,7 +368,6 @@ int cpu_attention(const float* q, int T, int n_heads, int n_kv_heads, int dim, v
     // a token's heads over a short cache are a few microseconds: share out only what outweighs a wake-up
     const int64_t work = (int64_t)T * n_heads * (positions[T - 1] + 1) * dim;
     pool_run(work < (1 << 18) ? 1 : threads, n_runs * n_kv_heads, 1, attention_items, &a);
-    free(run_starts);
     return a.failed ? -1 : 0;
 }
 
