@@ -26,16 +26,20 @@ from specserve.model.kv_blocks import BLOCK_SIZE
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 
 
+def random_pool(seqs: int, blocks: int, shuffled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(table [seqs, blocks], K, V pools of seqs * blocks blocks) in bf16 on CUDA; shuffled: blocks anywhere."""
+    order = torch.randperm(seqs * blocks) if shuffled else torch.arange(seqs * blocks)
+    k = torch.randn(seqs * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    return order.view(seqs, blocks).int().cuda(), k, torch.randn_like(k)
+
+
 def measure(ctx: int, rows: int, shuffled: bool, width: int = 0) -> float:
     """width: positions the table spans (0: the context's own)."""
     blocks = -(-ctx // BLOCK_SIZE)
-    order = torch.randperm(rows * blocks) if shuffled else torch.arange(rows * blocks)
-    table = order.view(rows, blocks).int()
+    table, k, v = random_pool(rows, blocks, shuffled)
     if width > ctx:
-        table = torch.cat([table, torch.zeros(rows, -(-width // BLOCK_SIZE) - blocks, dtype=torch.int32)], dim=1)
-    table = table.cuda()
-    k = torch.randn(rows * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
-    v = torch.randn_like(k)
+        table = torch.cat([table, torch.zeros(rows, -(-width // BLOCK_SIZE) - blocks, dtype=torch.int32,
+                                              device="cuda")], dim=1)
     q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     positions = torch.full((rows,), ctx - 1, device="cuda")
     seq_ids = torch.arange(rows, device="cuda")
@@ -48,9 +52,7 @@ def measure_chunk(chunk: int, start: int, decode_rows: int, ctx: int, tiled: boo
     context ctx, shuffled blocks; tiled=False: every row through the row kernels."""
     blocks = -(-max(ctx, start + chunk) // BLOCK_SIZE)
     seqs = decode_rows + 1
-    table = torch.randperm(seqs * blocks).view(seqs, blocks).int().cuda()
-    k = torch.randn(seqs * blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device="cuda").to(torch.bfloat16)
-    v = torch.randn_like(k)
+    table, k, v = random_pool(seqs, blocks)
     q = torch.randn(decode_rows + chunk, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     positions = torch.tensor([ctx - 1] * decode_rows + list(range(start, start + chunk)), device="cuda")
     seq_ids = torch.tensor(list(range(1, seqs)) + [0] * chunk, device="cuda")
